@@ -1,0 +1,72 @@
+"""Plain data that flows down (scheduler -> worker) and up (worker -> scheduler).
+
+Both cross process boundaries unchanged, so they hold only ids, ints and lists. During
+decode only the delta travels: a cached request sends its new block ids, never its tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tandem.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Everything a worker needs to (re)build a request's state.
+
+    For a request resumed after preemption, ``token_ids`` holds the prompt and every output
+    token the scheduler has *received* (never placeholders): the scheduler only resumes a
+    request once no step of it is in flight, so this is exactly what the worker confirmed.
+    """
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    sample_seed: Optional[int]
+
+
+@dataclass
+class ScheduledRequest:
+    req_id: str
+    num_computed_tokens: int  # tokens with KV before this step (= first position computed now)
+    num_scheduled_tokens: int
+    new_block_ids: list[int]  # appended to the request's block table (all of it when ``new``)
+    samples: bool  # this step reaches the end of the request's tokens, so it samples one
+    new: Optional[NewRequestData] = None
+
+
+@dataclass
+class SchedulerOutput:
+    step_id: int
+    requests: list[ScheduledRequest]
+    finished_req_ids: list[str] = field(default_factory=list)  # worker drops their state first
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass
+class SampledLogprobs:
+    """Top-n logprobs at one position: column 0 is the sampled (or prompt) token."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    step_id: int
+    req_ids: list[str]  # requests that sampled this step, in batch order
+    sampled_token_ids: list[int]
+    logprobs: Optional[list[SampledLogprobs]] = None  # aligned with req_ids, when any request asked
+    # req_id -> logprobs of prompt positions covered by this step's chunk (target = next prompt token)
+    prompt_logprobs: dict[str, list[SampledLogprobs]] = field(default_factory=dict)

@@ -1,0 +1,321 @@
+"""Continuous-batching scheduler with chunked prefill, prefix caching and preemption.
+
+Each ``schedule()`` call fills one step's token budget: running requests first (decode or
+the next prefill chunk), then waiting ones in arrival order. When KV blocks run out, the
+most recently admitted running request is preempted (its blocks freed, to be recomputed).
+
+Async scheduling needs nothing special here beyond *placeholder accounting*: when a step
+will sample a token for a request, ``num_output_placeholders`` goes up at schedule time and
+down when the token arrives in ``update_from_output``. Because ``num_computed_tokens`` also
+advances at schedule time, the next ``schedule()`` sees one more token to compute (the
+placeholder, whose id the worker reads from its device-side token table) and so the engine
+can launch step N+1 before step N's tokens are known. The same code with a queue depth of 1
+is the synchronous engine: there, placeholders are always back to 0 before scheduling.
+
+Invariants (asserted where cheap):
+- placeholders never go negative; a request is never scheduled past ``max_tokens`` or
+  ``max_model_len`` counting its placeholders;
+- a token for a finished or aborted request is dropped;
+- a finished request's blocks are freed exactly once, after its last in-flight step;
+- a preempted request resumes only when none of its steps are in flight, so the tokens it
+  sends the worker are the ones the worker itself confirmed.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from tandem.core.kv_cache import KVCacheManager
+from tandem.core.sched_output import (
+    ModelRunnerOutput,
+    NewRequestData,
+    SampledLogprobs,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from tandem.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request (the engine turns these into user outputs)."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+    logprobs: list[SampledLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[SampledLogprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    error: Optional[str] = None
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_scheduled_tokens: int = 0
+    num_dropped_tokens: int = 0  # tokens that arrived for requests already finished
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool,
+    ) -> None:
+        self.kv = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.requests: dict[str, Request] = {}  # live (unfinished) requests by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished requests whose blocks wait for their in-flight steps to complete.
+        self._pending_free: list[Request] = []
+        # Ids the worker must drop; sent with the next non-empty step.
+        self._finished_ids_to_send: list[str] = []
+        self._step_reqs: dict[int, dict[str, Request]] = {}  # step id -> requests in it
+        self._next_step_id = 0
+        self.stats = SchedulerStats()
+
+    # -- request lifecycle -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running; ids must be unique "
+                             "among live requests")
+        need = self.kv.blocks_needed(min(request.num_prompt_tokens + request.max_tokens, self.max_model_len))
+        if need > self.kv.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} needs up to {need} KV blocks but the cache has only "
+                f"{self.kv.num_blocks}; lower max_tokens or enlarge the KV cache"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, req_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+                       ) -> list[Request]:
+        """Finish live requests now. Unknown or already finished ids are a no-op."""
+        done = []
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            self._finish(req, status)
+            done.append(req)
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_pending_work(self) -> bool:
+        """Unfinished requests, or finished ones still holding blocks."""
+        return bool(self.requests) or bool(self._pending_free)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        assert not req.is_finished
+        prev = req.status
+        req.status = status
+        req.num_output_placeholders = 0  # tokens still in flight for it will be dropped
+        if prev == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        del self.requests[req.request_id]
+        self._finished_ids_to_send.append(req.request_id)
+        if req.num_inflight_steps == 0:
+            self.kv.free(req)
+        else:
+            self._pending_free.append(req)
+
+    # -- scheduling --------------------------------------------------------------------
+    def _at_end(self, req: Request) -> bool:
+        """Every remaining token of the request is already scheduled (case: one token too many)."""
+        n_out = len(req.output_token_ids) + req.num_output_placeholders
+        return n_out >= req.max_tokens or req.num_tokens_with_placeholders >= self.max_model_len
+
+    def _preempt(self, req: Request, preempted: list[str]) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        preempted.append(req.request_id)
+        self.stats.num_preemptions += 1
+        logger.debug("preempted %s", req.request_id)
+
+    def _account(self, req: Request, n: int) -> bool:
+        """Advance a request by ``n`` scheduled tokens; return whether the step samples."""
+        req.num_computed_tokens += n
+        req.num_inflight_steps += 1
+        samples = req.num_computed_tokens == req.num_tokens_with_placeholders
+        if samples:
+            req.num_output_placeholders += 1
+        return samples
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        step_reqs: dict[str, Request] = {}
+        preempted: list[str] = []
+
+        # 1. Running requests, oldest first. Victims for preemption come from the tail,
+        #    which is never already scheduled in this step.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if self._at_end(req):
+                i += 1
+                continue  # stays running: its in-flight token(s) will finish it
+            n = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
+            assert n > 0, f"running request with nothing to compute: {req}"
+            start = req.num_computed_tokens
+            while True:
+                new_blocks = self.kv.allocate_slots(req, n)
+                if new_blocks is not None:
+                    break
+                victim = self.running[-1]
+                self._preempt(victim, preempted)
+                if victim is req:
+                    break
+            if new_blocks is None:
+                break  # req itself was preempted; nothing after it is left
+            samples = self._account(req, n)
+            scheduled.append(ScheduledRequest(req.request_id, start, n, new_blocks, samples))
+            step_reqs[req.request_id] = req
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests in arrival order (not in a step that had to preempt).
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if req.num_inflight_steps > 0:
+                break  # preempted with a step in flight: resume once its tokens are in
+            computed, num_hit = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - num_hit
+            if n > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                n = budget
+            new_blocks = self.kv.allocate_slots(req, n, computed)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            new = NewRequestData(
+                token_ids=req.all_token_ids,
+                num_prompt_tokens=req.num_prompt_tokens,
+                sampling_params=req.sampling_params,
+                eos_token_ids=req.eos_token_ids,
+                sample_seed=req.sample_seed,
+            )
+            samples = self._account(req, n)
+            scheduled.append(ScheduledRequest(req.request_id, num_hit, n, new_blocks, samples, new))
+            step_reqs[req.request_id] = req
+            budget -= n
+
+        # Prompt tokens are real: publish their full blocks now so later requests hit them.
+        for req in step_reqs.values():
+            self.kv.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+
+        out = SchedulerOutput(self._next_step_id, scheduled, preempted_req_ids=preempted)
+        if scheduled:
+            out.finished_req_ids, self._finished_ids_to_send = self._finished_ids_to_send, []
+            self._step_reqs[out.step_id] = step_reqs
+            self._next_step_id += 1
+            self.stats.num_steps += 1
+            self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
+        else:
+            # Nothing to run. A preemption can only happen while allocating for a scheduled
+            # request, so an empty step preempted nothing the worker must hear about.
+            assert not preempted
+        return out
+
+    # -- results -----------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        assert result.step_id == sched.step_id, "outputs must be applied in the order steps were scheduled"
+        step_reqs = self._step_reqs.pop(sched.step_id)
+        for req in step_reqs.values():
+            req.num_inflight_steps -= 1
+            assert req.num_inflight_steps >= 0
+
+        outputs: dict[str, EngineCoreOutput] = {}
+        for k, rid in enumerate(result.req_ids):
+            req = step_reqs[rid]
+            if req.is_finished:
+                self.stats.num_dropped_tokens += 1
+                continue  # token after the end, or for an aborted request
+            token = result.sampled_token_ids[k]
+            req.num_output_placeholders -= 1
+            assert req.num_output_placeholders >= 0, f"placeholders went negative: {req}"
+            req.output_token_ids.append(token)
+            out = EngineCoreOutput(rid, [token], num_cached_tokens=req.num_cached_tokens)
+            if result.logprobs is not None:
+                out.logprobs.append(result.logprobs[k])
+            outputs[rid] = out
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status)
+                out.finish_reason = status.finish_reason
+                out.stop_reason = req.stop_reason
+            else:
+                self.kv.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+
+        for rid, plps in result.prompt_logprobs.items():
+            req = step_reqs[rid]
+            if req.is_finished and rid not in outputs:
+                continue
+            out = outputs.get(rid)
+            if out is None:
+                out = outputs[rid] = EngineCoreOutput(rid, [], num_cached_tokens=req.num_cached_tokens)
+            out.prompt_logprobs = plps
+
+        self._release_pending()
+        return list(outputs.values())
+
+    def fail_step(self, sched: SchedulerOutput, error: str) -> list[EngineCoreOutput]:
+        """A step raised: finish every live request it contained with an error."""
+        step_reqs = self._step_reqs.pop(sched.step_id, {})
+        outs = []
+        for req in step_reqs.values():
+            req.num_inflight_steps -= 1
+            if not req.is_finished:
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                outs.append(EngineCoreOutput(req.request_id, [], finish_reason="error", error=error))
+        self._release_pending()
+        return outs
+
+    def _release_pending(self) -> None:
+        still = []
+        for req in self._pending_free:
+            if req.num_inflight_steps == 0:
+                self.kv.free(req)  # exactly once: the request left _pending_free
+            else:
+                still.append(req)
+        self._pending_free = still
+
+    def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
+        sp = req.sampling_params
+        n_out = len(req.output_token_ids)
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

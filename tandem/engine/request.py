@@ -1,0 +1,91 @@
+"""The engine core's view of one request: its tokens, progress and lifecycle.
+
+Invariants (checked in tests):
+- ``num_output_placeholders >= 0``: tokens scheduled to be sampled but not yet seen by the CPU.
+- ``num_computed_tokens <= num_tokens + num_output_placeholders``.
+- A finished request never receives another token; its blocks are freed exactly once.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+from tandem.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
+        }.get(self)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: list[int],
+        max_tokens: int,
+        sample_seed: Optional[int] = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_tokens = max_tokens
+        self.sample_seed = sample_seed
+        self.arrival_time = time.monotonic()
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: Optional[int | str] = None
+        self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        self.num_inflight_steps = 0
+        self.num_cached_tokens = 0  # prefix-cache hit at first scheduling
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the CPU knows (prompt + received outputs)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return self.num_tokens + self.num_output_placeholders
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}, "
+                f"tokens={self.num_tokens}, placeholders={self.num_output_placeholders})")
