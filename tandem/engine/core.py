@@ -1,0 +1,137 @@
+"""The engine core's step loop: schedule, launch, complete — with a bounded in-flight queue.
+
+One loop serves both modes; only the queue depth differs (1 = synchronous, 2 = async).
+Each ``step()`` does exactly one of two things, and it cannot do neither while work exists:
+
+* **launch**: if the queue has room, ask the scheduler for a step; if it scheduled any
+  tokens, hand it to the executor (non-blocking) and append it to the queue;
+* **complete**: if nothing was launched, or the queue is now full, pop the *oldest*
+  in-flight step, wait for its output and apply it.
+
+Hence the three failure modes the overlap design is known for cannot occur here:
+1. only a ``SchedulerOutput`` that was actually scheduled is ever queued or read;
+2. no early return skips the queue: a step that launches nothing always completes one, so
+   a non-empty queue drains (and an empty queue with unfinished requests is reported as a
+   stall instead of spinning);
+3. every launched step has a future that resolves exactly once (the executor contract).
+"""
+from __future__ import annotations
+
+import logging
+import traceback
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from tandem.config import EngineConfig
+from tandem.core.kv_cache import KVCacheManager
+from tandem.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tandem.core.scheduler import EngineCoreOutput, Scheduler
+from tandem.engine.request import Request
+from tandem.executor.base import Executor, create_executor
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStallError(RuntimeError):
+    """Unfinished requests exist but nothing can be scheduled and nothing is in flight."""
+
+
+@dataclass
+class LoopStats:
+    num_launched: int = 0
+    num_completed: int = 0
+    # Steps launched while an earlier step's output was still unprocessed: the overlap.
+    num_launched_ahead: int = 0
+    num_errors: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_folder: str, max_model_len: int,
+                 executor: Optional[Executor] = None) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.executor = executor or create_executor(config, model_folder, max_model_len)
+        self.model_info = self.executor.collective_rpc("get_model_info")[0]
+        # Every worker must fit the cache: take the smallest count any of them reports.
+        num_blocks = min(self.executor.collective_rpc("determine_num_kv_blocks"))
+        self.executor.collective_rpc("init_kv_cache", num_blocks)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.depth = config.max_concurrent_batches
+        self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        self.stats = LoopStats()
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, req_ids: Iterable[str]) -> None:
+        self.scheduler.abort_requests(req_ids)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+
+    # -- the loop ----------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        launched = False
+        if len(self.batch_queue) < self.depth and self.scheduler.has_unfinished_requests():
+            so = self.scheduler.schedule()
+            if not so.is_empty:
+                if self.batch_queue:
+                    self.stats.num_launched_ahead += 1
+                self.batch_queue.append((so, self.executor.execute_model(so)))
+                self.stats.num_launched += 1
+                launched = True
+        if self.batch_queue and (not launched or len(self.batch_queue) >= self.depth):
+            return self._complete_oldest()
+        if not launched and self.scheduler.has_unfinished_requests():
+            raise EngineStallError(
+                f"nothing schedulable and nothing in flight with {len(self.scheduler.requests)} unfinished "
+                f"requests ({self.kv_cache.num_free_blocks}/{self.kv_cache.num_blocks} KV blocks free)"
+            )
+        return []
+
+    def _complete_oldest(self) -> list[EngineCoreOutput]:
+        so, fut = self.batch_queue.popleft()
+        try:
+            result = fut.result()
+        except Exception as e:  # the step failed: fail its requests, keep the engine usable
+            return self._fail_inflight(so, e)
+        self.stats.num_completed += 1
+        return self.scheduler.update_from_output(so, result)
+
+    def _fail_inflight(self, so: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
+        """Later in-flight steps consumed this step's (missing) tokens: fail them too."""
+        self.stats.num_errors += 1
+        msg = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        logger.error("step %d failed: %s", so.step_id, msg)
+        outs = self.scheduler.fail_step(so, msg)
+        while self.batch_queue:
+            later, fut = self.batch_queue.popleft()
+            try:
+                fut.result()
+            except Exception:
+                pass
+            outs += self.scheduler.fail_step(later, msg)
+        return outs
+
+    def drain(self) -> list[EngineCoreOutput]:
+        """Complete every in-flight step (used at shutdown and by tests)."""
+        outs: list[EngineCoreOutput] = []
+        while self.batch_queue:
+            outs += self._complete_oldest()
+        return outs
+
+    def shutdown(self) -> None:
+        try:
+            self.drain()
+        finally:
+            self.executor.shutdown()

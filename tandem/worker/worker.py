@@ -1,0 +1,107 @@
+"""One worker: owns a device, the model weights, the KV cache and a model runner.
+
+The executor talks to workers only through the methods here, so the same class serves the
+in-process executor and (later) worker processes.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.core.sched_output import SchedulerOutput
+from tandem.worker.model_runner import AsyncModelOutput, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[config.dtype]
+
+
+@dataclass
+class ModelInfo:
+    """Facts about the loaded model that the engine needs (plain data)."""
+
+    vocab_size: int
+    max_position_embeddings: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_folder: str, max_model_len: int) -> None:
+        from tandem.models.loader import load_hf_config, load_model
+
+        self.config = config
+        self.device = torch.device(config.resolved_device())
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device.index or 0)
+        self.dtype = resolve_dtype(config, self.device)
+        torch.manual_seed(config.seed)
+        hf = load_hf_config(model_folder)
+        self.hf_config = hf
+        self.model = load_model(model_folder, self.dtype, self.device)
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.info = ModelInfo(
+            vocab_size=hf.vocab_size,
+            max_position_embeddings=getattr(hf, "max_position_embeddings", 2048),
+            num_layers=hf.num_hidden_layers,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=head_dim,
+            dtype_bytes=torch.empty(0, dtype=self.dtype).element_size(),
+        )
+        self.runner = ModelRunner(self.model, hf.vocab_size, config.block_size, max_model_len,
+                                  config.max_num_seqs, self.device, self.dtype)
+
+    def get_model_info(self) -> ModelInfo:
+        return self.info
+
+    def block_bytes(self) -> int:
+        i = self.info
+        return 2 * i.num_layers * self.config.block_size * i.num_kv_heads * i.head_dim * i.dtype_bytes
+
+    @torch.inference_mode()
+    def determine_num_kv_blocks(self) -> int:
+        """KV blocks that fit: measured after a warm-up forward on CUDA, a fixed budget on CPU."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type != "cuda":
+            return max(1, int(self.config.cpu_kv_cache_gib * (1 << 30)) // self.block_bytes())
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        n = self.config.max_num_batched_tokens
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        pos = torch.arange(n, dtype=torch.int64, device=self.device) % 64
+        hidden = self.model(ids, pos)  # no forward context: plain causal pass, nothing cached
+        self.model.compute_logits(hidden[: self.config.max_num_seqs])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        used_elsewhere = total - free - torch.cuda.memory_reserved()
+        budget = total * self.config.gpu_memory_utilization - peak - max(used_elsewhere, 0)
+        del hidden
+        torch.cuda.empty_cache()
+        blocks = int(budget // self.block_bytes())
+        if blocks < 1:
+            raise RuntimeError("no GPU memory left for the KV cache; raise gpu_memory_utilization")
+        logger.info("KV cache: %d blocks (%.2f GiB)", blocks, blocks * self.block_bytes() / (1 << 30))
+        return blocks
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        i = self.info
+        self.runner.init_kv_cache(num_blocks, i.num_layers, i.num_kv_heads, i.head_dim)
+
+    def execute_model(self, so: SchedulerOutput) -> AsyncModelOutput:
+        return self.runner.execute_model(so)
+
+    def check_health(self) -> bool:
+        return True
