@@ -197,6 +197,9 @@ class KVCacheManager:
         if blocks:
             self.pool.release(blocks)
 
+    def num_owned_total(self) -> int:
+        return sum(len(b) for b in self.req_blocks.values())
+
     def num_owned(self, request: Request) -> int:
         return len(self.req_blocks.get(id(request), []))
 

@@ -198,7 +198,8 @@ class LLMEngine:
         if out.error is not None:
             parent.error = out.error
         if out.prompt_logprobs and parent.prompt_logprobs is not None and child.index == 0:
-            parent.prompt_logprobs.extend(self._convert_logprobs(lp) for lp in out.prompt_logprobs)
+            n = child.params.prompt_logprobs or 0
+            parent.prompt_logprobs.extend(self._convert_logprobs(lp, n) for lp in out.prompt_logprobs)
         if child.index == 0 and out.new_token_ids:
             parent.num_cached_tokens = out.num_cached_tokens
             if parent.pending:  # the prompt is computed and cached now: release the siblings
@@ -208,7 +209,7 @@ class LLMEngine:
         for k, tok in enumerate(out.new_token_ids):
             child.token_ids.append(tok)
             if child.logprobs is not None and k < len(out.logprobs):
-                child.logprobs.append(self._convert_logprobs(out.logprobs[k]))
+                child.logprobs.append(self._convert_logprobs(out.logprobs[k], child.params.logprobs or 0))
             if child.detok is not None:
                 matched = child.detok.update([tok])
                 if matched is not None:
@@ -229,9 +230,10 @@ class LLMEngine:
                 for c in parent.children[1:]:
                     c.finish_reason = "error"
 
-    def _convert_logprobs(self, lp: SampledLogprobs) -> PositionLogprobs:
+    def _convert_logprobs(self, lp: SampledLogprobs, num: int) -> PositionLogprobs:
+        """The chosen token plus this request's own top-``num`` (the batch computed the max)."""
         d: PositionLogprobs = {}
-        for j, (tid, val) in enumerate(zip(lp.token_ids, lp.logprobs)):
+        for j, (tid, val) in enumerate(zip(lp.token_ids[: num + 1], lp.logprobs[: num + 1])):
             rank = lp.rank if j == 0 else j
             if tid not in d:
                 d[tid] = Logprob(val, rank, self.tokenizer.decode([tid]))

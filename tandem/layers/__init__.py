@@ -1,0 +1,1 @@
+"""Model building blocks: attention over the paged cache, linear, norm, rotary, sampler."""

@@ -1,0 +1,253 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over flattened tokens and the paged KV cache.
+
+The three architectures differ only in small switches, read from the HF config:
+
+* q/k/v bias: ``config.attention_bias`` (Llama also puts it on ``o_proj``); Qwen2 always
+  has q/k/v bias and never an ``o_proj`` bias, without saying so in its config.
+* sliding window: Mistral's ``config.sliding_window`` applies to every layer when set;
+  configs with ``layer_types`` (Qwen2/Qwen3) use it only on ``"sliding_attention"`` layers.
+* ``head_dim`` from the config when present (it need not be ``hidden_size / num_heads``).
+
+Module and parameter names mirror HF's so checkpoints load by name; the only renames are
+the fused ``qkv_proj`` and ``gate_up_proj``, fed through ``stacked_params_mapping``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from tandem.layers.activation import SiluAndMul
+from tandem.layers.attention import Attention
+from tandem.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    ShardId,
+    default_weight_loader,
+)
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding, get_rope
+
+logger = logging.getLogger(__name__)
+
+
+def get_head_dim(config: Any) -> int:
+    """``config.head_dim`` when set (Qwen3, Mistral-Nemo...), else ``hidden_size // num_heads``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def get_attention_biases(config: Any) -> tuple[bool, bool]:
+    """``(qkv_bias, o_proj_bias)`` as HF builds them for this config's model type."""
+    if getattr(config, "model_type", None) == "qwen2":
+        return True, False
+    bias = bool(getattr(config, "attention_bias", False))
+    return bias, bias
+
+
+def get_layer_sliding_window(config: Any, layer_idx: int) -> Optional[int]:
+    """The sliding window HF applies in layer ``layer_idx``, or None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if layer_types[layer_idx] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:  # older Qwen2-style configs
+        return None
+    return int(window)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is implemented")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, rotary, paged attention, output projection.
+
+    Subclasses adjust q/k between the projection and rotary by overriding ``_qk_norm``
+    (Qwen3's per-head RMSNorm).
+    """
+
+    def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.head_dim = get_head_dim(config)
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        qkv_bias, o_bias = get_attention_biases(config)
+        self.qkv_proj = QKVParallelLinear(self.hidden_size, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, self.hidden_size, bias=o_bias)
+        # One RotaryEmbedding shared by all layers (its cos/sin cache is model-wide).
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            scale=self.head_dim ** -0.5,
+            layer_idx=layer_idx,
+            sliding_window=get_layer_sliding_window(config, layer_idx),
+        )
+
+    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        q, k = self._qk_norm(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream is passed along and added inside the norms."""
+
+    def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding,
+                 attention_cls: type[LlamaAttention] = LlamaAttention) -> None:
+        super().__init__()
+        self.self_attn = attention_cls(config, layer_idx, rotary_emb)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                            bias=bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, attention_cls: type[LlamaAttention] = LlamaAttention) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary_emb = get_rope(config, get_head_dim(config))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary_emb, attention_cls) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual: Optional[torch.Tensor] = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        if residual is None:  # no layers
+            return self.norm(hidden_states)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over flattened tokens: ``forward`` returns hidden states, ``compute_logits``
+    projects only the rows the caller samples from (saves the vocab matmul on prefill).
+
+    Attention metadata and the KV caches come from ``tandem.layers.attention.set_forward_context``.
+    """
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    # (fused param name, checkpoint name, shard id)
+    stacked_params_mapping: list[tuple[str, str, ShardId]] = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+    # Checkpoint tensors that are derived state, not parameters.
+    skip_weight_substrings: tuple[str, ...] = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.attention_cls)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors into our (partly fused) parameters.
+
+        Returns the names of the parameters that were fully loaded. Raises ValueError for a
+        checkpoint tensor with no matching parameter (a wrong architecture would otherwise
+        load silently) and for parameters, or shards of fused ones, the checkpoint lacks.
+        """
+        params = dict(self.named_parameters())
+        shards_needed: dict[str, set[ShardId]] = {}
+        for pname in params:
+            for fused, _, shard in self.stacked_params_mapping:
+                if f".{fused}." in pname:
+                    shards_needed.setdefault(pname, set()).add(shard)
+        shards_done: dict[str, set[ShardId]] = {}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if any(s in name for s in self.skip_weight_substrings):
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # the tied head is the embedding, which the checkpoint also holds
+            target, shard = name, None
+            for fused, ckpt_name, shard_id in self.stacked_params_mapping:
+                if f".{ckpt_name}." in name:
+                    target, shard = name.replace(f".{ckpt_name}.", f".{fused}."), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                if shard is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"cannot load checkpoint tensor {name!r}: {e}") from e
+            if shard is None:
+                loaded.add(target)
+            else:
+                shards_done.setdefault(target, set()).add(shard)
+        for pname, needed in shards_needed.items():
+            if shards_done.get(pname, set()) >= needed:
+                loaded.add(pname)
+        missing = sorted(self._checkpoint_names(p, shards_needed.get(p, set()) - shards_done.get(p, set()))
+                         for p in params if p not in loaded)
+        if missing:
+            flat = [n for group in missing for n in group]
+            raise ValueError(f"checkpoint is missing {len(flat)} weight(s) of {type(self).__name__}: "
+                             + ", ".join(flat[:20]) + (" ..." if len(flat) > 20 else ""))
+        logger.debug("loaded %d parameters", len(loaded))
+        return loaded
+
+    def _checkpoint_names(self, pname: str, missing_shards: set[ShardId]) -> list[str]:
+        """Checkpoint names that would have filled (the missing shards of) parameter ``pname``."""
+        if not missing_shards:
+            return [pname]
+        return sorted(pname.replace(f".{fused}.", f".{ckpt}.")
+                      for fused, ckpt, shard in self.stacked_params_mapping
+                      if shard in missing_shards and f".{fused}." in pname)
