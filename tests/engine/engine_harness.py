@@ -84,7 +84,9 @@ def run_workload(engine: LLMEngine, items: list[WorkItem], max_steps: int = 2000
                 latest[w.rid] = None  # type: ignore[assignment]
         for out in engine.step():
             latest[out.request_id] = out
-            w = by_id[out.request_id]
+            w = by_id.get(out.request_id)
+            if w is None:
+                continue
             if (w.abort_after is not None and not out.finished
                     and len(out.outputs[0].token_ids) >= w.abort_after):
                 engine.abort_request(w.rid)
