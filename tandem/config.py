@@ -50,7 +50,9 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        errors: list[str] = []
+        errors: list[str] = self._type_errors()
+        if errors:
+            raise ValueError("invalid engine config: " + "; ".join(errors))
 
         def check(cond: bool, msg: str) -> None:
             if not cond:
@@ -85,6 +87,28 @@ class EngineConfig:
                           "it never downloads from a hub)")
         if errors:
             raise ValueError("invalid engine config: " + "; ".join(errors))
+
+    def _type_errors(self) -> list[str]:
+        """Each field must hold its declared type (bool is not an int; an int is a float)."""
+        errors = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            t = f.type if isinstance(f.type, str) else str(f.type)
+            optional = "Optional" in t
+            if v is None:
+                if not optional:
+                    errors.append(f"{f.name} must not be None")
+                continue
+            base = t.replace("Optional[", "").rstrip("]")
+            ok = {
+                "bool": isinstance(v, bool),
+                "int": isinstance(v, int) and not isinstance(v, bool),
+                "float": isinstance(v, (int, float)) and not isinstance(v, bool),
+                "str": isinstance(v, str),
+            }.get(base, True)
+            if not ok:
+                errors.append(f"{f.name} must be of type {base}, got {type(v).__name__} {v!r}")
+        return errors
 
     @property
     def max_concurrent_batches(self) -> int:

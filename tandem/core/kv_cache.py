@@ -190,6 +190,16 @@ class KVCacheManager:
         if n_full > start:
             self.req_num_hashed[key] = n_full
 
+    def uncache(self, request: Request) -> None:
+        """Withdraw the request's blocks from the prefix cache (their KV is not trusted)."""
+        for b in self.req_blocks.get(id(request), []):
+            if b.block_hash is not None:
+                if self.pool.cached.get(b.block_hash) is b:
+                    del self.pool.cached[b.block_hash]
+                b.block_hash = None
+        self.req_num_hashed.pop(id(request), None)
+        request.block_hashes.clear()
+
     def free(self, request: Request) -> None:
         key = id(request)
         blocks = self.req_blocks.pop(key, None)

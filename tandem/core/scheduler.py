@@ -81,8 +81,10 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished requests whose blocks wait for their in-flight steps to complete.
         self._pending_free: list[Request] = []
-        # Ids the worker must drop; sent with the next non-empty step.
+        # Ids the worker must drop; sent with the next non-empty step (an empty step is
+        # never sent, so a notice raised while scheduling nothing must wait for one).
         self._finished_ids_to_send: list[str] = []
+        self._preempted_ids_to_send: list[str] = []
         self._step_reqs: dict[int, dict[str, Request]] = {}  # step id -> requests in it
         self._next_step_id = 0
         self.stats = SchedulerStats()
@@ -231,17 +233,19 @@ class Scheduler:
         for req in step_reqs.values():
             self.kv.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
 
-        out = SchedulerOutput(self._next_step_id, scheduled, preempted_req_ids=preempted)
+        self._preempted_ids_to_send += preempted
+        out = SchedulerOutput(self._next_step_id, scheduled)
         if scheduled:
             out.finished_req_ids, self._finished_ids_to_send = self._finished_ids_to_send, []
+            out.preempted_req_ids, self._preempted_ids_to_send = self._preempted_ids_to_send, []
             self._step_reqs[out.step_id] = step_reqs
             self._next_step_id += 1
             self.stats.num_steps += 1
             self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
-        else:
-            # Nothing to run. A preemption can only happen while allocating for a scheduled
-            # request, so an empty step preempted nothing the worker must hear about.
-            assert not preempted
+        # Else: nothing to run. That can still preempt (with two steps in flight, the only
+        # schedulable request may need a block that an in-flight finished request holds);
+        # the worker hears of it with the next step that is actually sent, before any
+        # step that could resume the request.
         return out
 
     # -- results -----------------------------------------------------------------------
@@ -292,6 +296,8 @@ class Scheduler:
         outs = []
         for req in step_reqs.values():
             req.num_inflight_steps -= 1
+            # Blocks published at schedule time may never have been written: unpublish.
+            self.kv.uncache(req)
             if not req.is_finished:
                 self._finish(req, RequestStatus.FINISHED_ERROR)
                 outs.append(EngineCoreOutput(req.request_id, [], finish_reason="error", error=error))

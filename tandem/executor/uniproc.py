@@ -1,10 +1,10 @@
 """Runs the one worker inside the engine process.
 
-Synchronous mode runs each step inline and hands back an already-completed future. Async
-mode runs steps on one dedicated thread (FIFO, so steps execute in the order scheduled):
-on the CPU the forward pass then overlaps the engine's Python work (torch releases the GIL
-in its kernels); on CUDA the thread only launches kernels and the host copy is awaited
-when the engine reads the future.
+Steps run inline by default and hand back a future whose ``result()`` waits for the step's
+host copy. On CUDA that is already asynchronous: kernel launches return at once and the
+copy is awaited only when the engine reads the future. ``step_thread=True`` instead runs
+steps on one dedicated thread (FIFO, so they execute in the order scheduled), which lets a
+CPU forward pass overlap the engine's Python work where torch releases the GIL.
 """
 from __future__ import annotations
 
@@ -39,10 +39,12 @@ class _StepFuture(Future):
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_folder: str, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model_folder: str, max_model_len: int,
+                 step_thread: bool = False) -> None:
         self.worker = Worker(config, model_folder, max_model_len)
         self._pool: Optional[ThreadPoolExecutor] = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-step") if config.async_scheduling else None
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-step")
+            if step_thread and config.async_scheduling else None
         )
 
     def execute_model(self, so: SchedulerOutput) -> "Future[ModelRunnerOutput]":

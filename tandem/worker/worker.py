@@ -78,18 +78,22 @@ class Worker:
             return max(1, int(self.config.cpu_kv_cache_gib * (1 << 30)) // self.block_bytes())
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
         n = self.config.max_num_batched_tokens
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.arange(n, dtype=torch.int64, device=self.device) % 64
         hidden = self.model(ids, pos)  # no forward context: plain causal pass, nothing cached
         self.model.compute_logits(hidden[: self.config.max_num_seqs])
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        free, total = torch.cuda.mem_get_info()
-        used_elsewhere = total - free - torch.cuda.memory_reserved()
-        budget = total * self.config.gpu_memory_utilization - peak - max(used_elsewhere, 0)
+        activations = torch.cuda.max_memory_allocated() - before
         del hidden
         torch.cuda.empty_cache()
+        # This instance's share: weights + activation peak + KV <= utilization * total, and
+        # never more than is actually free (another engine may share the device).
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        free, total = torch.cuda.mem_get_info()
+        budget = min(total * self.config.gpu_memory_utilization - weights - activations,
+                     free - activations - (512 << 20))
         blocks = int(budget // self.block_bytes())
         if blocks < 1:
             raise RuntimeError("no GPU memory left for the KV cache; raise gpu_memory_utilization")

@@ -193,10 +193,6 @@ def test_flag_names_are_kebab_case():
         assert re.fullmatch(r"-h|--help|--[a-z0-9]+(-[a-z0-9]+)*", opt), opt
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: validate() does not check types: a non-integer for an integer "
-                   "field is either accepted (max_num_seqs=2.5, block_size=True) or fails with a bare "
-                   "TypeError from a comparison (max_num_seqs='8', gpu_memory_utilization=None) instead of "
-                   "a ValueError naming the field")
 @pytest.mark.parametrize("kwargs", [dict(max_num_seqs="8"), dict(max_num_seqs=2.5),
                                     dict(gpu_memory_utilization=None), dict(max_num_batched_tokens=None)])
 def test_wrongly_typed_values_raise_value_error(kwargs):

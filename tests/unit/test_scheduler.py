@@ -455,10 +455,6 @@ def _empty_step_preemption_setup(variant: str):
     return s, a, other, so1
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Scheduler.schedule() asserts `not preempted` when a "
-                   "step preempts requests but schedules nothing (async: the other blocks are held by a "
-                   "finished request whose step is in flight, or by a running request at its token limit); "
-                   "the preempted ids would also be lost since an empty step is never sent")
 @pytest.mark.parametrize("variant", ["pending", "at_end"])
 def test_async_preemption_in_a_step_that_schedules_nothing(variant):
     s, a, other, so1 = _empty_step_preemption_setup(variant)
@@ -489,10 +485,6 @@ def test_async_blocked_request_setup_is_legitimate(variant):
     assert a.status == RequestStatus.RUNNING and a.num_inflight_steps == 1
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: blocks are published to the prefix cache when a step is "
-                   "scheduled; when that step fails (fail_step), their hashes stay in the cache although "
-                   "their KV was never (or only partly) computed, so a later identical prompt gets a hit "
-                   "on garbage KV")
 def test_failed_step_does_not_leave_its_blocks_in_the_prefix_cache():
     s = mksched(num_blocks=16, block_size=4)
     prompt = list(range(300, 309))
@@ -970,14 +962,11 @@ def test_liveness_sync_queue_depth_1(seed, num_blocks, block_size, chunked, pref
 @given(**_WORKLOAD)
 def test_liveness_async_queue_depth_2_without_kv_pressure(seed, block_size, chunked, prefix, max_num_seqs):
     # Enough blocks for every request at once (<= 14 requests of <= 40 tokens): no preemption
-    # (see the xfail below for that).
+    # (the test below covers KV pressure).
     s = run_random_workload(seed, 2, 14 * 40, block_size, chunked, prefix, max_num_seqs)
     assert s.stats.num_preemptions == 0
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: under KV pressure with two steps in flight, schedule() can "
-                   "preempt without scheduling anything and trips `assert not preempted` "
-                   "(see test_async_preemption_in_a_step_that_schedules_nothing)")
 @settings(max_examples=400, deadline=None, derandomize=True, database=None,
           phases=[Phase.generate], suppress_health_check=[HealthCheck.too_slow])
 @given(num_blocks=st.sampled_from([6, 10, 16]), **_WORKLOAD)
