@@ -18,6 +18,16 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def _deterministic(device: torch.device) -> contextlib.AbstractContextManager:
+    """Masked SDPA on CUDA picks the memory-efficient kernel, whose results vary from run to
+    run for long key lengths (measured on an H200: two identical sync runs diverged after
+    ~130 positions). The math backend is bitwise repeatable, which async == sync needs."""
+    if device.type == "cuda":
+        return sdpa_kernel(SDPBackend.MATH)
+    return contextlib.nullcontext()
 
 
 @dataclass
@@ -177,15 +187,16 @@ class Attention(torch.nn.Module):
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
               causal: bool = False) -> torch.Tensor:
         """q [Lq, H, D], k/v [Lk, KVH, D] -> [Lq, H, D]."""
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            attn_mask=None if mask is None else mask[None, None],
-            is_causal=causal,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
+        with contextlib.nullcontext() if mask is None else _deterministic(q.device):
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0),
+                k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0),
+                attn_mask=None if mask is None else mask[None, None],
+                is_causal=causal,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
         return o.squeeze(0).transpose(0, 1)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -212,12 +223,13 @@ class Attention(torch.nn.Module):
         if self.sliding_window is not None:
             mask &= k_pos[None, :] >= lens - self.sliding_window
         qd = q[md.decode_token_idx]  # [Bd, H, D]
-        o = F.scaled_dot_product_attention(
-            qd.unsqueeze(2),  # [Bd, H, 1, D]
-            ks.transpose(1, 2).to(q.dtype),  # [Bd, KVH, L, D]
-            vs.transpose(1, 2).to(q.dtype),
-            attn_mask=mask[:, None, None, :],
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
+        with _deterministic(q.device):
+            o = F.scaled_dot_product_attention(
+                qd.unsqueeze(2),  # [Bd, H, 1, D]
+                ks.transpose(1, 2).to(q.dtype),  # [Bd, KVH, L, D]
+                vs.transpose(1, 2).to(q.dtype),
+                attn_mask=mask[:, None, None, :],
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
         out[md.decode_token_idx] = o.squeeze(2)
