@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
-_EXECUTORS = ("uniproc",)
+_EXECUTORS = ("auto", "uniproc", "multiproc", "ray")
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -43,8 +43,15 @@ class EngineConfig:
     async_scheduling: bool = _opt(True, "schedule step N+1 while step N runs (token-identical to sync)")
     max_logprobs: int = _opt(20, "largest logprobs / prompt_logprobs a request may ask for")
     seed: int = _opt(0, "seed of the default random generator (unseeded requests)")
-    executor: str = _opt("uniproc", "how workers run: uniproc (in this process)", choices=_EXECUTORS)
-    tensor_parallel_size: int = _opt(1, "number of devices a model is split across")
+    executor: str = _opt("auto", "how workers run: uniproc (in this process), multiproc (one process per rank), "
+                         "ray (Ray actors, for several machines), auto (uniproc for one rank, else multiproc)",
+                         choices=_EXECUTORS)
+    tensor_parallel_size: int = _opt(1, "number of devices (ranks) a model is split across")
+    rpc_timeout_s: float = _opt(300.0, "seconds a worker may take to answer one call before the executor "
+                                "declares it hung and fails (multiproc and ray)")
+    worker_cls: str = _opt("tandem.worker.worker.Worker",
+                           "dotted path of the class each rank runs (a Worker subclass, for extensions and tests)")
+    worker_start_timeout_s: float = _opt(600.0, "seconds worker processes may take to start and load the model")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,8 +81,13 @@ class EngineConfig:
         check(self.max_model_len is None or self.max_model_len >= 1,
               f"max_model_len must be >= 1, got {self.max_model_len!r}")
         check(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
-        check(self.tensor_parallel_size == 1,
-              f"tensor_parallel_size {self.tensor_parallel_size} is not supported by the uniproc executor yet")
+        check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        check(not (self.executor == "uniproc" and self.tensor_parallel_size > 1),
+              f"the uniproc executor runs one rank; tensor_parallel_size={self.tensor_parallel_size} needs "
+              "executor 'multiproc' or 'ray'")
+        check(self.rpc_timeout_s > 0, f"rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
+        check(self.worker_start_timeout_s > 0,
+              f"worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s}")
         if (not self.enable_chunked_prefill and self.max_model_len is not None
                 and self.max_num_batched_tokens < self.max_model_len):
             errors.append(
@@ -114,6 +126,12 @@ class EngineConfig:
     def max_concurrent_batches(self) -> int:
         """Depth of the engine's in-flight batch queue: 2 overlaps CPU and device work."""
         return 2 if self.async_scheduling else 1
+
+    @property
+    def resolved_executor(self) -> str:
+        if self.executor != "auto":
+            return self.executor
+        return "uniproc" if self.tensor_parallel_size == 1 else "multiproc"
 
     def resolved_device(self) -> str:
         if self.device != "auto":

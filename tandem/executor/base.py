@@ -9,9 +9,31 @@ from __future__ import annotations
 
 import abc
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Optional
 
 from tandem.core.sched_output import ModelRunnerOutput, SchedulerOutput
+
+
+class ExecutorError(RuntimeError):
+    """The executor cannot run steps any more (a worker died, hung, or failed to start)."""
+
+
+class WorkerDiedError(ExecutorError):
+    """A worker process or actor is gone; every pending and later call fails with this."""
+
+
+class WorkerTimeoutError(ExecutorError):
+    """A worker did not answer within ``rpc_timeout_s``; it is treated as hung."""
+
+
+class WorkerError(RuntimeError):
+    """An exception raised inside a worker, carrying the worker's own traceback text."""
+
+    def __init__(self, rank: int, method: str, exc_type: str, message: str, traceback_text: str) -> None:
+        self.rank, self.method, self.exc_type = rank, method, exc_type
+        self.worker_traceback = traceback_text
+        super().__init__(f"worker rank {rank} raised {exc_type} in {method}: {message}\n"
+                         f"--- worker traceback ---\n{traceback_text.rstrip()}")
 
 
 class Executor(abc.ABC):
@@ -32,8 +54,18 @@ class Executor(abc.ABC):
 
 
 def create_executor(config, model_folder: str, max_model_len: int) -> Executor:
-    from tandem.executor.uniproc import UniProcExecutor
+    """The executor ``config.executor`` names; multiproc and ray import their extras lazily."""
+    kind = config.resolved_executor
+    if kind == "uniproc":
+        from tandem.executor.uniproc import UniProcExecutor
 
-    if config.executor == "uniproc":
         return UniProcExecutor(config, model_folder, max_model_len)
+    if kind == "multiproc":
+        from tandem.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config, model_folder, max_model_len)
+    if kind == "ray":
+        from tandem.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config, model_folder, max_model_len)
     raise ValueError(f"unknown executor {config.executor!r}")

@@ -16,7 +16,7 @@ from tandem.config import EngineConfig
 from tandem.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tandem.executor.base import Executor
 from tandem.worker.model_runner import AsyncModelOutput
-from tandem.worker.worker import Worker
+from tandem.worker.worker import resolve_worker_class
 
 
 class _StepFuture(Future):
@@ -41,7 +41,7 @@ class _StepFuture(Future):
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, model_folder: str, max_model_len: int,
                  step_thread: bool = False) -> None:
-        self.worker = Worker(config, model_folder, max_model_len)
+        self.worker = resolve_worker_class(config.worker_cls)(config, model_folder, max_model_len)
         self._pool: Optional[ThreadPoolExecutor] = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-step")
             if step_thread and config.async_scheduling else None

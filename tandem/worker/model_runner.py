@@ -16,6 +16,7 @@ import torch
 import xxhash
 
 from tandem.core.sched_output import ModelRunnerOutput, SampledLogprobs, SchedulerOutput
+from tandem.distributed import get_tp_rank, tp_broadcast
 from tandem.layers.attention import AttentionMetadata, set_forward_context
 from tandem.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from tandem.worker.input_batch import CachedRequestState, InputBatch
@@ -115,6 +116,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # With tensor parallelism only rank 0 samples; the others receive its ids by broadcast
+        # so every rank's token table (hence every rank's next input) stays identical.
+        self.tp_rank = get_tp_rank()
 
     def init_kv_cache(self, num_blocks: int, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         self.kv_caches = [
@@ -183,7 +187,9 @@ class ModelRunner:
         for st, tok0, pos0, count in prompt_lp:
             if count <= 0:
                 continue
-            logits = self.model.compute_logits(hidden[tok0:tok0 + count])
+            logits = self.model.compute_logits(hidden[tok0:tok0 + count])  # collective under TP
+            if self.tp_rank != 0:
+                continue
             targets = self.batch.token_table[st.row, pos0 + 1:pos0 + 1 + count]
             k = st.sampling_params.prompt_logprobs or 0
             prompt_out[st.req_id] = gather_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, k)
@@ -191,14 +197,17 @@ class ModelRunner:
         req_ids = [st.req_id for st, _ in sample_states]
         if sample_states:
             rows_t = torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True)
-            logits = self.model.compute_logits(hidden[rows_t])
-            meta = self._sampling_metadata(sample_states)
-            result = self.sampler(logits, meta)
-            sampled = result.sampled_token_ids
+            logits = self.model.compute_logits(hidden[rows_t])  # every rank: the LM head gathers
+            if self.tp_rank == 0:
+                result = self.sampler(logits, self._sampling_metadata(sample_states))
+                sampled, logprobs = result.sampled_token_ids, result.logprobs
+            else:
+                sampled = torch.empty(len(sample_states), dtype=torch.int64, device=dev)
+                logprobs = None
+            tp_broadcast(sampled, src=0)
             # Feed the device-side token table: step N+1 reads these ids from here.
             dest = torch.tensor([st.row * width + end for st, end in sample_states], dtype=torch.int64)
             table.index_copy_(0, dest.to(dev, non_blocking=True), sampled)
-            logprobs = result.logprobs
         else:
             sampled = torch.empty(0, dtype=torch.int64, device=dev)
             logprobs = None

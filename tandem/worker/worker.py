@@ -1,17 +1,21 @@
 """One worker: owns a device, the model weights, the KV cache and a model runner.
 
 The executor talks to workers only through the methods here, so the same class serves the
-in-process executor and (later) worker processes.
+in-process executor, worker processes (``executor/multiproc.py``) and Ray actors
+(``executor/ray_executor.py``). With tensor parallelism every rank runs every step; only
+rank 0 (the driver rank) samples, and only its ``execute_model`` returns an output.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from tandem.config import EngineConfig
 from tandem.core.sched_output import SchedulerOutput
+from tandem.distributed import get_tp_world_size, init_tensor_parallel
 from tandem.worker.model_runner import AsyncModelOutput, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -32,30 +36,45 @@ class ModelInfo:
     vocab_size: int
     max_position_embeddings: int
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # in the whole model
+    num_kv_heads_per_rank: int  # held by each tensor-parallel rank (split, or replicated)
     head_dim: int
     dtype_bytes: int
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, model_folder: str, max_model_len: int) -> None:
+    """One rank. ``rank``/``distributed_init_method`` matter only with tensor parallelism:
+    the worker joins the group before building the model, whose layers then hold this
+    rank's shard."""
+
+    def __init__(self, config: EngineConfig, model_folder: str, max_model_len: int, rank: int = 0,
+                 distributed_init_method: Optional[str] = None, local_rank: Optional[int] = None) -> None:
         from tandem.models.loader import load_hf_config, load_model
 
         self.config = config
-        self.device = torch.device(config.resolved_device())
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device.index or 0)
+        self.rank = rank
+        world_size = config.tensor_parallel_size
+        device = torch.device(config.resolved_device())
+        if device.type == "cuda":
+            # local_rank: the GPU index this process sees (Ray gives each actor one GPU: 0).
+            index = local_rank if local_rank is not None else (rank if world_size > 1 else (device.index or 0))
+            device = torch.device("cuda", index)
+            torch.cuda.set_device(device)
+        self.device = device
         self.dtype = resolve_dtype(config, self.device)
+        init_tensor_parallel(rank, world_size, distributed_init_method, device)
         torch.manual_seed(config.seed)
         hf = load_hf_config(model_folder)
         self.hf_config = hf
         self.model = load_model(model_folder, self.dtype, self.device)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         self.info = ModelInfo(
             vocab_size=hf.vocab_size,
             max_position_embeddings=getattr(hf, "max_position_embeddings", 2048),
             num_layers=hf.num_hidden_layers,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            num_kv_heads=num_kv_heads,
+            num_kv_heads_per_rank=max(1, num_kv_heads // get_tp_world_size()),
             head_dim=head_dim,
             dtype_bytes=torch.empty(0, dtype=self.dtype).element_size(),
         )
@@ -67,7 +86,7 @@ class Worker:
 
     def block_bytes(self) -> int:
         i = self.info
-        return 2 * i.num_layers * self.config.block_size * i.num_kv_heads * i.head_dim * i.dtype_bytes
+        return 2 * i.num_layers * self.config.block_size * i.num_kv_heads_per_rank * i.head_dim * i.dtype_bytes
 
     @torch.inference_mode()
     def determine_num_kv_blocks(self) -> int:
@@ -102,10 +121,36 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         i = self.info
-        self.runner.init_kv_cache(num_blocks, i.num_layers, i.num_kv_heads, i.head_dim)
+        self.runner.init_kv_cache(num_blocks, i.num_layers, i.num_kv_heads_per_rank, i.head_dim)
 
-    def execute_model(self, so: SchedulerOutput) -> AsyncModelOutput:
-        return self.runner.execute_model(so)
+    def execute_model(self, so: SchedulerOutput) -> Optional[AsyncModelOutput]:
+        """Launch one step. Rank 0 returns its output handle; other ranks return None (they
+        ran the same forward and received the sampled ids, but report nothing)."""
+        out = self.runner.execute_model(so)
+        return out if self.rank == 0 else None
 
     def check_health(self) -> bool:
         return True
+
+    def get_pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        from tandem.distributed import destroy_tensor_parallel
+
+        destroy_tensor_parallel()
+
+
+def resolve_worker_class(path: str) -> type:
+    """Import ``package.module.ClassName`` (``config.worker_cls``): the class each rank runs."""
+    import importlib
+
+    module_name, _, cls_name = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"worker_cls must be a dotted path package.module.Class, got {path!r}")
+    cls = getattr(importlib.import_module(module_name), cls_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Worker)):
+        raise ValueError(f"worker_cls {path!r} is not a subclass of tandem.worker.worker.Worker")
+    return cls

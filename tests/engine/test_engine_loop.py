@@ -64,7 +64,7 @@ class FakeExecutor(Executor):
 
     def collective_rpc(self, method, *args, **kwargs):
         if method == "get_model_info":
-            return [ModelInfo(100, 4096, 1, 1, 8, 4)]
+            return [ModelInfo(vocab_size=100, max_position_embeddings=4096, num_layers=1, num_kv_heads=1, num_kv_heads_per_rank=1, head_dim=8, dtype_bytes=4)]
         if method == "determine_num_kv_blocks":
             return [self.num_blocks]
         return [None]

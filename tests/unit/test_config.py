@@ -46,13 +46,15 @@ def test_defaults_are_valid():
     (dict(dtype="int8"), r"dtype must be one of .*'int8'"),
     (dict(dtype="fp16"), r"dtype must be one of"),
     (dict(device="tpu"), r"device must be one of .*'tpu'"),
-    (dict(executor="ray"), r"executor must be one of .*'ray'"),
+    (dict(executor="mpi"), r"executor must be one of .*"),
+    (dict(tensor_parallel_size=2, executor="uniproc"), r"uniproc executor runs one rank"),
     (dict(num_kv_blocks=0), r"num_kv_blocks must be >= 1, got 0"),
     (dict(cpu_kv_cache_gib=0), r"cpu_kv_cache_gib must be > 0"),
     (dict(max_num_batched_tokens=0), r"max_num_batched_tokens must be >= 1"),
     (dict(max_model_len=0), r"max_model_len must be >= 1"),
     (dict(max_logprobs=-1), r"max_logprobs must be >= 0"),
-    (dict(tensor_parallel_size=2), r"tensor_parallel_size 2 is not supported"),
+    (dict(tensor_parallel_size=0), r"tensor_parallel_size must be >= 1"),
+    (dict(rpc_timeout_s=0), r"rpc_timeout_s must be > 0"),
     (dict(model="/nonexistent/model/folder"), r"model path '/nonexistent/model/folder' does not exist"),
     (dict(enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=1024),
      r"without chunked prefill, max_num_batched_tokens \(512\) must be >= max_model_len \(1024\)"),
@@ -151,7 +153,8 @@ def test_all_values_round_trip(tmp_path):
         num_kv_blocks=123, gpu_memory_utilization=0.55, cpu_kv_cache_gib=2.5, max_num_seqs=7,
         max_num_batched_tokens=4096, max_model_len=2048, enable_prefix_caching=False,
         enable_chunked_prefill=False, async_scheduling=False, max_logprobs=5, seed=42,
-        executor="uniproc", tensor_parallel_size=1,
+        executor="multiproc", tensor_parallel_size=2, rpc_timeout_s=12.5, worker_start_timeout_s=99.0,
+        worker_cls="tandem.worker.worker.Worker",
     )
     assert set(values) == set(FIELDS), "update this test when a field is added"
     argv = []
