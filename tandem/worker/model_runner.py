@@ -147,6 +147,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> AsyncModelOutput:
         states = self._update_states(so)
+        if not states:  # nothing scheduled (e.g. a call that only primes the pipeline)
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return AsyncModelOutput(so.step_id, [], empty, None, {}, self.copy_stream)
         width = self.batch.width
         positions: list[int] = []
         flat_index: list[int] = []
