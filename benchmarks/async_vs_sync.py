@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cpu-kv-cache-gib", type=float, default=0.5, help="KV cache of each engine on the CPU")
     ap.add_argument("--isolate", action="store_true",
                     help="one worker process per mode (automatic with async-thread)")
+    ap.add_argument("--executor", default="auto", choices=("auto", "uniproc", "multiproc", "ray"),
+                    help="tandem executor of every engine (multiproc: the forward runs in a worker process, "
+                         "so async overlaps it with the engine's host work even on the CPU)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--modes", default="async,sync",
                     help="comma list of async, sync, async-thread (first two are compared as async/sync)")
     return ap
@@ -182,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     common = dict(device=device, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
                   max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.enable_prefix_caching,
-                  cpu_kv_cache_gib=a.cpu_kv_cache_gib)
+                  cpu_kv_cache_gib=a.cpu_kv_cache_gib, executor=a.executor,
+                  tensor_parallel_size=a.tensor_parallel_size)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("async", "sync", "async-thread")]
     if bad or "async" not in modes or "sync" not in modes:
