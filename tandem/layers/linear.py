@@ -6,11 +6,13 @@ while we run each group as one fused matmul. Every parameter therefore carries a
 the right slice of the fused parameter (``shard_id`` is ``"q"``/``"k"``/``"v"`` for QKV and the
 index into ``output_sizes`` for merged column layers).
 
-The class names follow vLLM's tensor-parallel layout (column-parallel layers split the
-output dim, row-parallel layers the input dim) but run on one rank for now:
-``tp_rank = 0``, ``tp_size = 1``. The loaders already narrow checkpoint tensors by
-``tp_rank`` so tensor parallelism only has to set those two numbers and add the
-collectives in ``forward``.
+Tensor parallelism follows the Megatron/vLLM layout: column-parallel layers split the
+output dim (each rank computes its slice, no communication), row-parallel layers split the
+input dim and sum the partial outputs with an all-reduce. Attention is column (QKV, whole
+heads per rank) then row (o_proj); the MLP is column (gate_up) then row (down), so each
+block communicates twice. Every layer reads this process's rank and world size from
+``tandem.distributed`` when it is built, and its loaders narrow each checkpoint tensor to
+the rank's slice. With one rank nothing is split and nothing is communicated.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tandem.distributed import get_tp_rank, get_tp_world_size, tp_all_reduce
 
 # What a stacked-params mapping hands a weight loader: "q"/"k"/"v", a merged index, or None.
 ShardId = Union[str, int, None]
@@ -36,9 +40,9 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
         param.copy_(loaded_weight)
 
 
-def _divide(a: int, b: int) -> int:
+def _divide(a: int, b: int, what: str = "size") -> int:
     if a % b:
-        raise ValueError(f"{a} is not divisible by tensor-parallel size {b}")
+        raise ValueError(f"{what} {a} is not divisible by tensor_parallel_size {b}")
     return a // b
 
 
@@ -49,11 +53,10 @@ class LinearBase(nn.Module):
     the checkpoint, and the model's loader refuses to finish with any parameter unloaded.
     """
 
-    tp_rank: int = 0
-    tp_size: int = 1
-
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_world_size()
         self.input_size = input_size
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
@@ -83,7 +86,7 @@ class ColumnParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         self.total_output_size = output_size
-        super().__init__(input_size, _divide(output_size, self.tp_size), bias)
+        super().__init__(input_size, _divide(output_size, get_tp_world_size(), "output size"), bias)
 
     def _rank_slice(self, loaded_weight: torch.Tensor, size: int) -> torch.Tensor:
         """This rank's ``size`` rows of a (sub-)tensor that holds all ranks' rows."""
@@ -113,7 +116,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError("loading a pre-merged tensor with tensor parallelism is not supported")
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be an index < {len(self.output_sizes)}, got {shard_id!r}")
-        sizes = [_divide(s, self.tp_size) for s in self.output_sizes]
+        sizes = [_divide(s, self.tp_size, "output size") for s in self.output_sizes]
         offset, size = sum(sizes[:shard_id]), sizes[shard_id]
         expected = (self.output_sizes[shard_id],) + tuple(param.shape[1:])
         if tuple(loaded_weight.shape) != expected:
@@ -131,15 +134,19 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
                  total_num_kv_heads: Optional[int] = None, bias: bool = False) -> None:
         total_num_kv_heads = total_num_kv_heads or total_num_heads
+        tp = get_tp_world_size()
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads
-        self.num_heads = _divide(total_num_heads, self.tp_size)
-        if self.tp_size >= total_num_kv_heads:
+        self.num_heads = _divide(total_num_heads, tp, "num_attention_heads")
+        if tp >= total_num_kv_heads:
+            if tp % total_num_kv_heads:
+                raise ValueError(f"tensor_parallel_size {tp} must be a multiple of num_key_value_heads "
+                                 f"{total_num_kv_heads} when it exceeds it (each rank keeps one whole KV head)")
             self.num_kv_heads = 1
-            self.kv_replicas = _divide(self.tp_size, total_num_kv_heads)
+            self.kv_replicas = tp // total_num_kv_heads
         else:
-            self.num_kv_heads = _divide(total_num_kv_heads, self.tp_size)
+            self.num_kv_heads = _divide(total_num_kv_heads, tp, "num_key_value_heads")
             self.kv_replicas = 1
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
@@ -169,14 +176,14 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input dim split across ranks; partial outputs are summed (all-reduce, once TP exists).
+    """Input dim split across ranks; the partial outputs are summed with an all-reduce.
 
-    The bias is added by rank 0 only, so the sum counts it once.
+    The (whole) bias is added once, after the sum.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         self.total_input_size = input_size
-        super().__init__(_divide(input_size, self.tp_size), output_size, bias)
+        super().__init__(_divide(input_size, get_tp_world_size(), "input size"), output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
         if shard_id is not None:
@@ -187,5 +194,8 @@ class RowParallelLinear(LinearBase):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = tp_all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
 

@@ -24,13 +24,13 @@ from tandem.layers.attention import Attention
 from tandem.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
     ShardId,
     default_weight_loader,
 )
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, get_rope
+from tandem.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, attention_cls: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = get_rope(config, get_head_dim(config))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, rotary_emb, attention_cls) for i in range(config.num_hidden_layers)
@@ -182,14 +182,14 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, self.attention_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                      tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits (float32) on every rank: a collective under tensor parallelism."""
         return self.lm_head(hidden_states).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
