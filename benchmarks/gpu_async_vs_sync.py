@@ -60,6 +60,37 @@ def run_tandem(llm, prompts, sp):
     return dict(wall=dt, cpu=cpu, steps=steps, ahead=ahead, tokens=sum(map(len, toks))), toks
 
 
+def _run_executor(LLM, folder, prompts, sp, a, executor):
+    """Async and sync engines on one executor, interleaved rounds; returns (row, tokens)."""
+    from tandem import SamplingParams
+
+    llms = {m: LLM(folder, async_scheduling=m, max_num_seqs=a.num_prompts, gpu_memory_utilization=0.4,
+                   executor=executor) for m in (False, True)}
+    for m in llms.values():  # warm-up
+        m.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    runs: dict[bool, list] = {False: [], True: []}
+    same = True
+    for _ in range(a.rounds):
+        toks = {}
+        for mode in (False, True):
+            r, toks[mode] = run_tandem(llms[mode], prompts, sp)
+            runs[mode].append(r)
+        same &= toks[False] == toks[True]
+    row = {"identical_tokens": same}
+    for mode, key in ((False, "sync"), (True, "async")):
+        w = statistics.median(r["wall"] for r in runs[mode])
+        rr = runs[mode][-1]
+        row[key] = dict(tok_s=rr["tokens"] / w, wall_s=w, ms_per_step=1000 * w / rr["steps"],
+                        cpu_ms_per_step=1000 * statistics.median(r["cpu"] / r["steps"] for r in runs[mode]),
+                        launched_ahead=rr["ahead"] / max(rr["steps"], 1))
+    row["async_over_sync"] = row["async"]["tok_s"] / row["sync"]["tok_s"]
+    for m in llms.values():
+        m.shutdown()
+    del llms
+    torch.cuda.empty_cache()
+    return row, toks[True]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="smollm2-135m,qwen2-0.5b")
@@ -68,6 +99,9 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hf", action="store_true", help="also time HF generate (batched) on the same prompts")
+    ap.add_argument("--executors", default="uniproc",
+                    help="comma list of tandem executors to run (each async and sync); tokens are compared "
+                         "across all of them")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from tandem import LLM, SamplingParams
@@ -78,29 +112,17 @@ def main() -> int:
         folder = build(tempfile.mkdtemp(prefix=name), SHAPES[name])
         prompts = [torch.randint(2, 1000, (a.prompt_len,), generator=g).tolist() for _ in range(a.num_prompts)]
         sp = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
-        llms = {m: LLM(folder, async_scheduling=m, max_num_seqs=a.num_prompts, gpu_memory_utilization=0.4)
-                for m in (False, True)}
-        for m in llms.values():  # warm-up
-            m.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-        runs: dict[bool, list] = {False: [], True: []}
-        same = True
-        for _ in range(a.rounds):
-            toks = {}
-            for mode in (False, True):
-                r, toks[mode] = run_tandem(llms[mode], prompts, sp)
-                runs[mode].append(r)
-            same &= toks[False] == toks[True]
-        row = {"identical_tokens": same}
-        for mode, key in ((False, "sync"), (True, "async")):
-            w = statistics.median(r["wall"] for r in runs[mode])
-            rr = runs[mode][-1]
-            row[key] = dict(tok_s=rr["tokens"] / w, wall_s=w, ms_per_step=1000 * w / rr["steps"],
-                            cpu_ms_per_step=1000 * statistics.median(r["cpu"] / r["steps"] for r in runs[mode]),
-                            launched_ahead=rr["ahead"] / max(rr["steps"], 1))
-        row["async_over_sync"] = row["async"]["tok_s"] / row["sync"]["tok_s"]
-        for m in llms.values():
-            m.shutdown()
-        del llms
+        row: dict = {}
+        ref_toks = None
+        for executor in a.executors.split(","):
+            sub, toks_ex = _run_executor(LLM, folder, prompts, sp, a, executor)
+            if ref_toks is None:
+                ref_toks = toks_ex
+            sub["identical_tokens_to_" + a.executors.split(",")[0]] = toks_ex == ref_toks
+            row[executor] = sub
+            print(name, executor, json.dumps(sub), flush=True)
+        first = row[a.executors.split(",")[0]]
+        row.update({k: first[k] for k in ("sync", "async", "async_over_sync", "identical_tokens")})
         if a.hf:
             from transformers import AutoModelForCausalLM
 

@@ -273,7 +273,19 @@ class MultiprocExecutor(Executor):
             return
         fut = pending.future
         if not ok:
-            err = WorkerError(rank, fut.method, *payload)
+            err: Exception = WorkerError(rank, fut.method, *payload)
+            if self.world_size > 1:
+                # A peer's death usually surfaces first as a collective error on a survivor
+                # ("connection reset"): report the death, which is the cause.
+                dead = self._dead_worker(grace_s=1.0)
+                if dead is not None:
+                    err = WorkerDiedError(f"worker rank {dead.rank} (pid {dead.pid}) {describe_exit(dead.proc.exitcode)}; "
+                                          f"rank {rank} then failed in {fut.method}: {payload[0]}: {payload[1]}")
+                    with self._lock:
+                        self._pending.pop(seq, None)
+                    fut.set_exception(err)
+                    self._fail(err)
+                    return
             with self._lock:
                 self._pending.pop(seq, None)
             if not fut.done():
@@ -291,6 +303,17 @@ class MultiprocExecutor(Executor):
                 fut.set_result(pending.replies[0])
 
     # -- failure -----------------------------------------------------------------------
+    def _dead_worker(self, grace_s: float) -> Optional[_WorkerHandle]:
+        """The first worker found exited within ``grace_s``, or None."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for w in self._workers:
+                if w.proc.exitcode is not None:
+                    return w
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
     def _on_timeout(self, fut: _RpcFuture) -> None:
         with self._lock:
             pending = self._pending.get(fut.seq)
