@@ -120,8 +120,14 @@ def _actor_class() -> Any:
     return _remote_cls
 
 
-def _short(exc: BaseException, limit: int = 600) -> str:
+def _short(exc: BaseException, limit: int = 400) -> str:
+    """Ray's actor-death text, cut to what says why (exit type and detail), one line."""
     text = " ".join(str(exc).split())
+    i = text.find("Worker exit type:")
+    if i >= 0:
+        text = text[i:]
+        j = text.find(" Some common causes")
+        text = text[:j] if j >= 0 else text
     return text if len(text) <= limit else text[:limit] + " ..."
 
 

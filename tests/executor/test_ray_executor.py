@@ -305,6 +305,30 @@ def test_cluster_too_small_for_the_placement_group_fails_clearly(ray_cluster, tp
     assert ray.is_initialized(), "an executor must not stop a Ray it did not start"
 
 
+@pytest.mark.timeout(60)
+def test_actor_killed_from_outside_is_detected_while_idle(engines):
+    llm = engines.take(1, rpc_timeout_s=3.0)
+    ex = llm.engine.core.executor
+    pids = list(ex.worker_pids)
+    try:
+        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                ex.check_health()
+            except WorkerDiedError as e:
+                assert "rank 0" in str(e)
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("a SIGKILLed actor went unnoticed for 10 s")
+        fut = ex.execute_model(SchedulerOutput(step_id=0, requests=[]))
+        assert fut.done() and isinstance(fut.exception(), WorkerDiedError)
+        assert wait_gone(pids) == []
+    finally:
+        shutdown_and_check(llm)
+
+
 # -- shutdown ----------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_shutdown_leaves_no_actor_process_and_later_calls_fail_clearly(engines):
@@ -339,24 +363,22 @@ def test_tp2_priming_call_is_answered_on_every_rank(engines):
 
 
 @pytest.mark.timeout(60)
-def test_tp2_actor_killed_from_outside_is_detected_while_idle(engines):
+def test_tp2_rank_killed_mid_step_is_reported_as_a_death(engines):
+    """Rank 1 dies inside a step while rank 0 waits in a collective: the executor reports
+    the death (not rank 0's collective error), at once, and kills rank 0 too."""
     llm = engines.take(2)
     ex = llm.engine.core.executor
     pids = list(ex.worker_pids)
     try:
-        os.kill(pids[1], signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                ex.check_health()
-            except WorkerDiedError as e:
-                assert "rank 1" in str(e)
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("a SIGKILLed actor went unnoticed for 10 s")
-        with pytest.raises(WorkerDiedError):
-            ex.execute_model(SchedulerOutput(step_id=0, requests=[])).result(timeout=5)
+        ex.collective_rpc("set_fault", "kill", 3, 1)
+        sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        t0 = time.monotonic()
+        with pytest.raises(RequestError) as ei:
+            llm.generate([[5, 6, 7], [8, 9, 10, 11]], sp, use_tqdm=False)
+        assert time.monotonic() - t0 < 20, "death must be detected within seconds"
+        assert "WorkerDiedError" in str(ei.value) and "rank 1" in str(ei.value)
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            ex.collective_rpc("get_model_info")
         assert wait_gone(pids) == [], "the surviving rank must be killed too"
     finally:
         shutdown_and_check(llm)
