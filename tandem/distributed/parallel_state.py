@@ -55,6 +55,26 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: Optional[str],
     logger.info("tensor parallel rank %d/%d (%s)", rank, world_size, backend)
 
 
+def check_tensor_parallel_shapes(hf_config: object, tp: int) -> None:
+    """Refuse, before any worker starts, a model whose heads or MLP cannot split over ``tp`` ranks."""
+    if tp == 1:
+        return
+    heads = getattr(hf_config, "num_attention_heads")
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    problems = []
+    if heads % tp:
+        problems.append(f"num_attention_heads {heads} is not divisible by it")
+    if tp < kv and kv % tp:
+        problems.append(f"num_key_value_heads {kv} is not divisible by it")
+    if tp > kv and tp % kv:
+        problems.append(f"it exceeds num_key_value_heads {kv} without being a multiple of it")
+    inter = getattr(hf_config, "intermediate_size", None)
+    if inter is not None and inter % tp:
+        problems.append(f"intermediate_size {inter} is not divisible by it")
+    if problems:
+        raise ValueError(f"tensor_parallel_size {tp} does not fit this model: " + "; ".join(problems))
+
+
 def destroy_tensor_parallel() -> None:
     global _STATE
     if _STATE.owns_default_group and dist.is_initialized():

@@ -71,7 +71,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    llm = LLM(**{k: v for k, v in vars(config).items()})
+    try:
+        llm = LLM(**{k: v for k, v in vars(config).items()})
+    except ValueError as e:  # e.g. a model that cannot split over --tensor-parallel-size
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     prompts: list[Any] = []
     for r in rows:
         if "messages" in r:

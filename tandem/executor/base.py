@@ -56,6 +56,11 @@ class Executor(abc.ABC):
 def create_executor(config, model_folder: str, max_model_len: int) -> Executor:
     """The executor ``config.executor`` names; multiproc and ray import their extras lazily."""
     kind = config.resolved_executor
+    if config.tensor_parallel_size > 1:
+        from tandem.distributed.parallel_state import check_tensor_parallel_shapes
+        from tandem.models.loader import load_hf_config
+
+        check_tensor_parallel_shapes(load_hf_config(model_folder), config.tensor_parallel_size)
     if kind == "uniproc":
         from tandem.executor.uniproc import UniProcExecutor
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tandem.distributed import init_tensor_parallel
-from tandem.distributed.parallel_state import destroy_tensor_parallel, pretend_tp_rank
+from tandem.distributed.parallel_state import check_tensor_parallel_shapes, destroy_tensor_parallel, pretend_tp_rank
 from tandem.layers.attention import AttentionMetadata, set_forward_context
 from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -181,3 +181,18 @@ def test_kv_heads_replicate_when_ranks_outnumber_them():
     with pretend_tp_rank(3, 4):
         qkv = QKVParallelLinear(16, 4, 8, 2)
     assert (qkv.num_heads, qkv.num_kv_heads, qkv.kv_replicas) == (2, 1, 2)
+
+
+@pytest.mark.timeout(60)
+def test_engine_refuses_unsplittable_model_before_starting_workers(tiny_factory, capsys):
+    from types import SimpleNamespace
+
+    from tandem.entrypoints.cli import main
+
+    with pytest.raises(ValueError, match="num_attention_heads 9 is not divisible by it"):
+        check_tensor_parallel_shapes(SimpleNamespace(num_attention_heads=9, num_key_value_heads=3,
+                                                     intermediate_size=64), 2)
+    folder = tiny_factory("llama", num_attention_heads=4, num_key_value_heads=2)
+    assert main(["generate", "--model", folder, "--tensor-parallel-size", "3", "--prompt", "t5", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "tensor_parallel_size 3 does not fit this model" in err and "num_attention_heads 4" in err
