@@ -11,7 +11,9 @@ Every call goes to every rank. Actors run with ``max_concurrency=1``, so each ex
 calls one by one in submission order, and every call has exactly one reply (an object ref)
 per rank. ``execute_model`` returns at once with a future over the step's refs; its
 ``result()`` waits on them with ``ray.wait`` (no polling), resolves exactly once, and
-returns rank 0's output. Error semantics follow the multiproc executor:
+returns rank 0's output. (Like the uniproc executor's, the future is resolved by the
+caller that needs it: ``done()`` stays False until ``result()`` is called.) Error semantics
+follow the multiproc executor:
 
 * an exception inside a worker comes back (as a tagged tuple, never a Ray task error) and
   is raised as ``WorkerError`` with the worker's own traceback. With one rank the worker
@@ -152,26 +154,20 @@ class _RayFuture(Future):
             if not self.done():
                 ex = self._executor()
                 if ex is None:
-                    self._settle(None, exc=ExecutorError("the executor is gone"))
+                    self._settle(exc=ExecutorError("the executor is gone"))
                 else:
                     ex._resolve(self, timeout)
         return super().result(0)
 
-    def _settle(self, lock: Optional[threading.Lock], value: Any = None,
-                exc: Optional[BaseException] = None) -> None:
-        """Set the outcome unless someone (a failure elsewhere) already did."""
-        def settle() -> None:
-            if not self.done():
-                if exc is not None:
-                    self.set_exception(exc)
-                else:
-                    self.set_result(value)
-
-        if lock is None:
-            settle()
-        else:
-            with lock:
-                settle()
+    def _settle(self, value: Any = None, exc: Optional[BaseException] = None) -> None:
+        """Set the outcome unless someone (a failure elsewhere) already did; the caller
+        holds the executor's lock. The refs are dropped: Ray may free the replies."""
+        if not self.done():
+            self._refs = []
+            if exc is not None:
+                self.set_exception(exc)
+            else:
+                self.set_result(value)
 
 
 class RayExecutor(Executor):
@@ -183,7 +179,9 @@ class RayExecutor(Executor):
         self.world_size = config.tensor_parallel_size
         self.rpc_timeout_s = config.rpc_timeout_s
         self._lock = threading.Lock()
-        self._pending: dict[int, _RayFuture] = {}
+        # Calls not yet answered, to fail them all when the executor breaks; weak, so a
+        # future nobody holds any more costs nothing.
+        self._pending: "weakref.WeakValueDictionary[int, _RayFuture]" = weakref.WeakValueDictionary()
         self._next_seq = 0
         self._failure: Optional[ExecutorError] = None
         self._closed = False
@@ -379,7 +377,7 @@ class RayExecutor(Executor):
         with self._lock:
             self._pending.pop(fut.seq, None)
             fut.all_results = [results[r] for r in range(self.world_size)]
-            fut._settle(None, results[0])
+            fut._settle(results[0])
 
     def _peer_died(self, fut: _RayFuture, remaining: list, ref_rank: dict) -> bool:
         """With TP, a rank whose peer died usually fails in its collective (connection
@@ -408,7 +406,7 @@ class RayExecutor(Executor):
     def _on_worker_error(self, fut: _RayFuture, rank: int, err: WorkerError, summary: str) -> None:
         with self._lock:
             self._pending.pop(fut.seq, None)
-            fut._settle(None, exc=err)
+            fut._settle(exc=err)
         if self.world_size > 1:
             self._fail(ExecutorError(f"tensor-parallel rank {rank} failed in {fut.method}; its peers are out "
                                      f"of step, so the executor stops: {summary}"))
@@ -421,9 +419,9 @@ class RayExecutor(Executor):
                 self._failure = err
                 logger.error("%s", err)
             err = self._failure
-            pending, self._pending = self._pending, {}
-            for f in pending.values():
-                f._settle(None, exc=err)
+            pending, self._pending = list(self._pending.values()), weakref.WeakValueDictionary()
+            for f in pending:
+                f._settle(exc=err)
         self._kill_actors()
 
     def _kill_actors(self) -> None:
@@ -452,9 +450,9 @@ class RayExecutor(Executor):
                 logger.warning("workers did not acknowledge shutdown: %s", e)
         with self._lock:
             self._closed = True
-            pending, self._pending = self._pending, {}
-            for f in pending.values():
-                f._settle(None, exc=ExecutorError("the executor was shut down"))
+            pending, self._pending = list(self._pending.values()), weakref.WeakValueDictionary()
+            for f in pending:
+                f._settle(exc=ExecutorError("the executor was shut down"))
         ray = self._ray
         self._kill_actors()
         self._wait_actors_dead(timeout_s=10)
