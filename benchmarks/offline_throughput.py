@@ -114,7 +114,6 @@ def _match(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    import torch
     from transformers import AutoTokenizer
 
     from tandem import LLM, SamplingParams

@@ -16,7 +16,7 @@ from tandem.core.sched_output import SampledLogprobs
 from tandem.core.scheduler import EngineCoreOutput
 from tandem.engine.core import EngineCore
 from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.engine.request import Request, RequestStatus
+from tandem.engine.request import Request
 from tandem.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from tandem.sampling_params import SamplingParams
 

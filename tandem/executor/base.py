@@ -8,8 +8,9 @@ call's future (never swallowed, never turned into a hang).
 from __future__ import annotations
 
 import abc
+import traceback
 from concurrent.futures import Future
-from typing import Any, Optional
+from typing import Any
 
 from tandem.core.sched_output import ModelRunnerOutput, SchedulerOutput
 
@@ -51,6 +52,38 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def shutdown(self) -> None: ...
+
+
+def error_payload(exc: BaseException) -> tuple[str, str, str]:
+    """What a worker sends back for an exception: type name, message, full traceback text."""
+    return type(exc).__name__, str(exc), "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+class RemoteExecutor(Executor):
+    """Shared front of the executors whose workers live elsewhere (processes, Ray actors).
+
+    Subclasses implement ``_call``: send one call to every rank and return a future that
+    resolves to rank 0's result and carries every rank's in ``all_results``; it raises
+    ``ExecutorError`` at once if the executor is already broken or shut down.
+    """
+
+    @abc.abstractmethod
+    def _call(self, method: str, args: tuple, kwargs: dict) -> Future: ...
+
+    def execute_model(self, so: SchedulerOutput) -> "Future[ModelRunnerOutput]":
+        """Send the step to every rank; never blocks. A broken executor returns a failed
+        future, so the engine reports the step's requests as failed like any step error."""
+        try:
+            return self._call("execute_model", (so,), {})
+        except ExecutorError as e:
+            fut: Future = Future()
+            fut.set_exception(e)
+            return fut
+
+    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        fut = self._call(method, args, kwargs)
+        fut.result()
+        return fut.all_results  # type: ignore[attr-defined]
 
 
 def create_executor(config, model_folder: str, max_model_len: int) -> Executor:

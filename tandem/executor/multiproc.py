@@ -36,10 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from tandem.config import EngineConfig
-from tandem.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tandem.executor.base import (
-    Executor,
     ExecutorError,
+    RemoteExecutor,
     WorkerDiedError,
     WorkerError,
     WorkerTimeoutError,
@@ -106,7 +105,7 @@ class _WorkerHandle:
     next_reply: int = 0
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RemoteExecutor):
     def __init__(self, config: EngineConfig, model_folder: str, max_model_len: int) -> None:
         import zmq
 
@@ -202,21 +201,6 @@ class MultiprocExecutor(Executor):
             for w in self._workers:
                 w.request_sock.send(data, copy=False)
         return fut
-
-    def execute_model(self, so: SchedulerOutput) -> "Future[ModelRunnerOutput]":
-        """Send the step to every rank; never blocks. A broken executor returns a failed
-        future, so the engine reports the step's requests as failed like any step error."""
-        try:
-            return self._call("execute_model", (so,), {})
-        except ExecutorError as e:
-            fut: Future = Future()
-            fut.set_exception(e)
-            return fut
-
-    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        fut = self._call(method, args, kwargs)
-        fut.result()
-        return fut.all_results  # type: ignore[attr-defined]
 
     def check_health(self) -> None:
         with self._lock:

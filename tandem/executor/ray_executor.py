@@ -35,20 +35,19 @@ import os
 import socket
 import threading
 import time
-import traceback
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Optional
 
 from tandem.config import EngineConfig
-from tandem.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tandem.executor.base import (
-    Executor,
     ExecutorError,
+    RemoteExecutor,
     WorkerDiedError,
     WorkerError,
     WorkerTimeoutError,
+    error_payload,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,8 +55,6 @@ logger = logging.getLogger(__name__)
 _OK, _ERR = "ok", "err"
 
 
-def _error_payload(exc: BaseException) -> tuple[str, str, str]:
-    return type(exc).__name__, str(exc), "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
 
 
 class RayWorkerWrapper:
@@ -96,7 +93,7 @@ class RayWorkerWrapper:
                 distributed_init_method=distributed_init_method, local_rank=local_rank)
             return _OK, os.getpid()
         except BaseException as e:
-            return _ERR, _error_payload(e)
+            return _ERR, error_payload(e)
 
     def execute_method(self, method: str, args: tuple, kwargs: dict) -> tuple[str, Any]:
         from tandem.worker.model_runner import AsyncModelOutput
@@ -107,7 +104,7 @@ class RayWorkerWrapper:
                 result = result.get()  # the host copy: the actor answers with plain data
             return _OK, result
         except BaseException as e:
-            return _ERR, _error_payload(e)
+            return _ERR, error_payload(e)
 
 
 _remote_cls: Any = None
@@ -170,7 +167,7 @@ class _RayFuture(Future):
                 self.set_result(value)
 
 
-class RayExecutor(Executor):
+class RayExecutor(RemoteExecutor):
     def __init__(self, config: EngineConfig, model_folder: str, max_model_len: int) -> None:
         import ray
 
@@ -280,21 +277,6 @@ class RayExecutor(Executor):
             self._pending[seq] = fut
         return fut
 
-    def execute_model(self, so: SchedulerOutput) -> "Future[ModelRunnerOutput]":
-        """Submit the step to every rank; never blocks. A broken executor returns a failed
-        future, so the engine reports the step's requests as failed like any step error."""
-        try:
-            return self._call("execute_model", (so,), {})
-        except ExecutorError as e:
-            fut: Future = Future()
-            fut.set_exception(e)
-            return fut
-
-    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        fut = self._call(method, args, kwargs)
-        fut.result()
-        return fut.all_results  # type: ignore[return-value]
-
     def check_health(self) -> None:
         with self._lock:
             if self._failure is not None:
@@ -362,7 +344,7 @@ class RayExecutor(Executor):
                         f"the executor cannot run more steps: {_short(e)}"))
                     return
                 except Exception as e:  # e.g. the reply could not be deserialized
-                    err = WorkerError(rank, fut.method, *_error_payload(e))
+                    err = WorkerError(rank, fut.method, *error_payload(e))
                     self._on_worker_error(fut, rank, err, f"{type(e).__name__}: {e}")
                     return
                 if tag != _OK:

@@ -24,9 +24,10 @@ import os
 import pickle
 import queue
 import threading
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Optional
+
+from tandem.executor.base import error_payload
 
 READY_SEQ = -1
 SHUTDOWN_METHOD = "__shutdown__"
@@ -34,8 +35,6 @@ SHUTDOWN_METHOD = "__shutdown__"
 logger = logging.getLogger(__name__)
 
 
-def _error_payload(exc: BaseException) -> tuple[str, str, str]:
-    return type(exc).__name__, str(exc), "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
 
 
 def _watch_parent(death_conn: Connection) -> None:
@@ -75,11 +74,11 @@ class _ReplySender(threading.Thread):
                 try:
                     payload = payload.get()
                 except BaseException as e:  # e.g. a CUDA error surfacing at the copy
-                    ok, payload = False, _error_payload(e)
+                    ok, payload = False, error_payload(e)
             try:
                 data = pickle.dumps((seq, self.rank, ok, payload), protocol=pickle.HIGHEST_PROTOCOL)
             except BaseException as e:  # an unpicklable result still gets its one reply
-                data = pickle.dumps((seq, self.rank, False, _error_payload(e)), protocol=pickle.HIGHEST_PROTOCOL)
+                data = pickle.dumps((seq, self.rank, False, error_payload(e)), protocol=pickle.HIGHEST_PROTOCOL)
             self.sock.send(data, copy=False)
 
 
@@ -112,7 +111,7 @@ def run_worker_process(rank: int, config: Any, model_folder: str, max_model_len:
             worker = resolve_worker_class(config.worker_cls)(
                 config, model_folder, max_model_len, rank=rank, distributed_init_method=distributed_init_method)
         except BaseException as e:
-            sender.put(READY_SEQ, False, _error_payload(e))
+            sender.put(READY_SEQ, False, error_payload(e))
             return
         sender.put(READY_SEQ, True, os.getpid())
         _serve(worker, requests, sender)
@@ -141,7 +140,7 @@ def _serve(worker: Any, requests: Any, sender: _ReplySender) -> None:
         try:
             result = getattr(worker, method)(*args, **kwargs)
         except BaseException as e:
-            sender.put(seq, False, _error_payload(e))
+            sender.put(seq, False, error_payload(e))
             if not isinstance(e, Exception):  # KeyboardInterrupt/SystemExit: answer, then stop
                 raise
             continue

@@ -6,7 +6,6 @@ import multiprocessing
 import pickle
 import socket
 import traceback
-from pathlib import Path
 
 import pytest
 import torch

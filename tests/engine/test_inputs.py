@@ -1,7 +1,6 @@
 """Bad input gets a clear error, never a crash, a hang or a lost request."""
 from __future__ import annotations
 
-import os
 
 import pytest
 

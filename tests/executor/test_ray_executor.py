@@ -31,6 +31,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "engine"))
 from engine_harness import assert_same, random_workload, run_workload  # noqa: E402
 
+from executor_test_utils import BASE, FAULTY, SETTINGS, VOCAB, pid_alive, wait_gone  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
 from tandem.core.sched_output import SchedulerOutput  # noqa: E402
 from tandem.engine.llm_engine import LLMEngine, RequestError  # noqa: E402
@@ -38,33 +39,8 @@ from tandem.entrypoints.llm import LLM  # noqa: E402
 from tandem.executor.base import ExecutorError, WorkerDiedError, WorkerError, WorkerTimeoutError  # noqa: E402
 from tandem.sampling_params import SamplingParams  # noqa: E402
 
-VOCAB = 128
 RAY_CPUS = 4
-BASE = dict(block_size=4, max_num_seqs=6, max_num_batched_tokens=64, num_kv_blocks=512)
-SETTINGS = {
-    "default": dict(),
-    "preempt+chunked": dict(num_kv_blocks=40, max_num_batched_tokens=12),
-}
-FAULTY = "faulty_worker.FaultyWorker"
 SP = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids, timeout: float = 15.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if pid_alive(p)]
-        if not alive:
-            return []
-        time.sleep(0.1)
-    return [p for p in pids if pid_alive(p)]
 
 
 def _children() -> set[int]:
