@@ -5,12 +5,14 @@ collectives below in ``forward``. With one rank (the default, no ``init_tensor_p
 call) every collective is the identity and nothing touches ``torch.distributed``, so a
 single-device engine never needs a process group.
 
-Backends: ``gloo`` on the CPU (so TP=2 runs in CI), ``nccl`` on CUDA.
+Backends: ``gloo`` on the CPU (so TP=2 runs in CI), ``nccl`` on CUDA (override with the
+``TANDEM_DIST_BACKEND`` environment variable).
 """
 from __future__ import annotations
 
 import datetime
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,7 +45,9 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: Optional[str],
         return
     if init_method is None:
         raise ValueError("tensor parallelism needs a distributed_init_method (tcp://host:port)")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # TANDEM_DIST_BACKEND=gloo on CUDA lets several ranks share one GPU (slow, host-staged
+    # collectives): a way to test the tensor-parallel GPU path where only one GPU exists.
+    backend = os.environ.get("TANDEM_DIST_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
     owns = False
     if not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}

@@ -57,7 +57,9 @@ class Worker:
         device = torch.device(config.resolved_device())
         if device.type == "cuda":
             # local_rank: the GPU index this process sees (Ray gives each actor one GPU: 0).
-            index = local_rank if local_rank is not None else (rank if world_size > 1 else (device.index or 0))
+            # With more ranks than GPUs (only workable with a gloo backend), ranks share GPUs.
+            index = (local_rank if local_rank is not None
+                     else (rank % torch.cuda.device_count() if world_size > 1 else (device.index or 0)))
             device = torch.device("cuda", index)
             torch.cuda.set_device(device)
         self.device = device
