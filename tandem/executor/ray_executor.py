@@ -213,6 +213,14 @@ class RayExecutor(RemoteExecutor):
             self._owns_ray = True
         cuda = config.resolved_device() == "cuda"
         bundle = {"GPU": 1} if cuda else {"CPU": 1}
+        (kind, need), = bundle.items()
+        total = ray.cluster_resources().get(kind, 0)
+        if total < need * self.world_size and not os.environ.get("TANDEM_RAY_WAIT_FOR_RESOURCES"):
+            # A fixed cluster can never place it: say so now rather than after the start-up
+            # timeout. (An autoscaling cluster may grow: set TANDEM_RAY_WAIT_FOR_RESOURCES=1.)
+            raise ExecutorError(
+                f"the Ray cluster cannot place {self.world_size} bundle(s) of {bundle} for tensor_parallel_size="
+                f"{self.world_size}: it has {total:g} {kind} in all")
         self._pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
         timeout_s = config.worker_start_timeout_s
         ready, _ = ray.wait([self._pg.ready()], timeout=timeout_s)
