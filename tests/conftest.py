@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from proc_utils import live_children
+
 
 def make_word_tokenizer(vocab_size: int):
     """A word-level tokenizer over 't0'..'tN' so any token id decodes to stable text."""
@@ -65,24 +67,6 @@ def _threads():
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
-def _live_children() -> dict[int, str]:
-    """Live (non-zombie) processes whose parent is this test process, by pid -> command line."""
-    me, found = os.getpid(), {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()
-            if int(rest[1]) != me or rest[0] == "Z":
-                continue
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                found[int(d)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
-
-
 @pytest.fixture(autouse=True, scope="session")
 def no_leaked_processes_or_shared_memory():
     """After the whole suite: no worker process, Ray process or shared-memory segment that a
@@ -92,12 +76,12 @@ def no_leaked_processes_or_shared_memory():
 
     shm = Path("/dev/shm")
     shm_before = set(os.listdir(shm)) if shm.is_dir() else set()
-    children_before = set(_live_children())
+    children_before = set(live_children())
     yield
     tracker = getattr(rt._resource_tracker, "_pid", None)  # lives as long as we do, by design
     deadline = time.monotonic() + 15
     while True:
-        leaked = {p: c for p, c in _live_children().items() if p not in children_before and p != tracker}
+        leaked = {p: c for p, c in live_children().items() if p not in children_before and p != tracker}
         new_shm = (set(os.listdir(shm)) - shm_before) if shm.is_dir() else set()
         if (not leaked and not new_shm) or time.monotonic() > deadline:
             break

@@ -31,6 +31,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "engine"))
 from engine_harness import assert_same, random_workload, run_workload  # noqa: E402
 
+from proc_utils import live_children  # noqa: E402
 from executor_test_utils import BASE, FAULTY, SETTINGS, VOCAB, pid_alive, wait_gone  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
 from tandem.core.sched_output import SchedulerOutput  # noqa: E402
@@ -43,26 +44,12 @@ RAY_CPUS = 4
 SP = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def _children() -> set[int]:
-    me, found = os.getpid(), set()
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    rest = f.read().rsplit(")", 1)[1].split()
-                if int(rest[1]) == me and rest[0] != "Z":
-                    found.add(int(d))
-            except (OSError, IndexError, ValueError):
-                pass
-    return found
-
-
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A local Ray instance whose actors can import ``tandem`` and ``faulty_worker``."""
     shm = Path("/dev/shm")
     shm_before = set(os.listdir(shm)) if shm.is_dir() else set()
-    children_before = _children()
+    children_before = set(live_children())
     ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}})
     try:
@@ -71,7 +58,7 @@ def ray_cluster():
         ray.shutdown()
     deadline = time.monotonic() + 15
     while True:
-        leaked = _children() - children_before
+        leaked = set(live_children()) - children_before
         new_shm = (set(os.listdir(shm)) - shm_before) if shm.is_dir() else set()
         if (not leaked and not new_shm) or time.monotonic() > deadline:
             break
