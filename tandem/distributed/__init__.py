@@ -1,7 +1,6 @@
 """Tensor-parallel process group and the few collectives the model needs."""
 from tandem.distributed.parallel_state import (  # noqa: F401
     destroy_tensor_parallel,
-    get_tp_group,
     get_tp_rank,
     get_tp_world_size,
     init_tensor_parallel,

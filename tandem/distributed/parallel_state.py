@@ -6,7 +6,7 @@ call) every collective is the identity and nothing touches ``torch.distributed``
 single-device engine never needs a process group.
 
 Backends: ``gloo`` on the CPU (so TP=2 runs in CI), ``nccl`` on CUDA (override with the
-``TANDEM_DIST_BACKEND`` environment variable).
+``TANDEM_DIST_BACKEND`` environment variable, read into ``EnvSwitches.dist_backend``).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ _STATE = _TPState()
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: Optional[str], device: torch.device,
-                         timeout_s: float = 600.0) -> None:
+                         timeout_s: float = 600.0, backend: Optional[str] = None) -> None:
     """Join the group of ``world_size`` ranks at ``init_method`` (``tcp://host:port``).
 
     ``world_size == 1`` sets the single-rank state and creates no process group.
@@ -45,9 +45,9 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: Optional[str],
         return
     if init_method is None:
         raise ValueError("tensor parallelism needs a distributed_init_method (tcp://host:port)")
-    # TANDEM_DIST_BACKEND=gloo on CUDA lets several ranks share one GPU (slow, host-staged
-    # collectives): a way to test the tensor-parallel GPU path where only one GPU exists.
-    backend = os.environ.get("TANDEM_DIST_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
+    # backend "gloo" on CUDA (TANDEM_DIST_BACKEND) lets several ranks share one GPU (slow,
+    # host-staged collectives): a way to test the tensor-parallel GPU path on one GPU.
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     owns = False
     if not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
@@ -57,26 +57,6 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: Optional[str],
     group = dist.group.WORLD
     _STATE = _TPState(rank=rank, world_size=world_size, group=group, owns_default_group=owns)
     logger.info("tensor parallel rank %d/%d (%s)", rank, world_size, backend)
-
-
-def check_tensor_parallel_shapes(hf_config: object, tp: int) -> None:
-    """Refuse, before any worker starts, a model whose heads or MLP cannot split over ``tp`` ranks."""
-    if tp == 1:
-        return
-    heads = getattr(hf_config, "num_attention_heads")
-    kv = getattr(hf_config, "num_key_value_heads", None) or heads
-    problems = []
-    if heads % tp:
-        problems.append(f"num_attention_heads {heads} is not divisible by it")
-    if tp < kv and kv % tp:
-        problems.append(f"num_key_value_heads {kv} is not divisible by it")
-    if tp > kv and tp % kv:
-        problems.append(f"it exceeds num_key_value_heads {kv} without being a multiple of it")
-    inter = getattr(hf_config, "intermediate_size", None)
-    if inter is not None and inter % tp:
-        problems.append(f"intermediate_size {inter} is not divisible by it")
-    if problems:
-        raise ValueError(f"tensor_parallel_size {tp} does not fit this model: " + "; ".join(problems))
 
 
 def destroy_tensor_parallel() -> None:
@@ -92,10 +72,6 @@ def get_tp_rank() -> int:
 
 def get_tp_world_size() -> int:
     return _STATE.world_size
-
-
-def get_tp_group() -> Optional[dist.ProcessGroup]:
-    return _STATE.group
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:

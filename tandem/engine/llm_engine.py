@@ -11,12 +11,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from tandem.config import EngineConfig
-from tandem.core.sched_output import SampledLogprobs
-from tandem.core.scheduler import EngineCoreOutput
-from tandem.engine.core import EngineCore
+from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.engine.request import Request
+from tandem.engine.engine_core import EngineCore
+from tandem.types.engine_output import EngineCoreOutput
+from tandem.types.request import Request
+from tandem.types.runner_output import SampledLogprobs
 from tandem.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -60,38 +60,17 @@ class _Parent:
         return all(c.finish_reason is not None for c in self.children)
 
 
-def _eos_ids(folder: str, tokenizer: Any) -> list[int]:
-    ids: set[int] = set()
-    try:
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(folder).eos_token_id
-        if eos is not None:
-            ids.update([eos] if isinstance(eos, int) else eos)
-    except (OSError, ValueError):
-        pass
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
-
-
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        from tandem.models.loader import default_model_path, load_hf_config, load_tokenizer, resolve_model
+    def __init__(self, config: EngineConfig, model_config: Optional[ModelConfig] = None) -> None:
+        from tandem.models.loader import load_tokenizer
+        from tandem.models.model_config import resolve_model_config
 
         self.config = config
-        self.model_folder = resolve_model(config.model or default_model_path())
-        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else self.model_folder)
-        hf = load_hf_config(self.model_folder)
-        model_len = getattr(hf, "max_position_embeddings", None) or 2048
-        if config.max_model_len is not None and config.max_model_len > model_len:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {model_len}")
-        self.max_model_len = config.max_model_len or model_len
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            logger.warning("chunked prefill off: prompts longer than %d tokens will be rejected",
-                           config.max_num_batched_tokens)
-        self.eos_token_ids = _eos_ids(self.model_folder, self.tokenizer)
-        self.core = EngineCore(config, self.model_folder, self.max_model_len)
+        self.model_config = model_config or resolve_model_config(config)
+        self.max_model_len = self.model_config.max_model_len
+        self.eos_token_ids = list(self.model_config.eos_token_ids)
+        self.tokenizer = load_tokenizer(self.model_config.tokenizer)
+        self.core = EngineCore(config, self.model_config)
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
 
@@ -117,7 +96,7 @@ class LLMEngine:
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.core.model_info.vocab_size
+        vocab = self.model_config.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
@@ -252,3 +231,9 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.core.shutdown()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

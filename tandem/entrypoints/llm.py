@@ -101,3 +101,9 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -8,33 +8,16 @@ call's future (never swallowed, never turned into a hang).
 from __future__ import annotations
 
 import abc
-import traceback
 from concurrent.futures import Future
 from typing import Any
 
-from tandem.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tandem.config import EngineConfig, ModelConfig
+from tandem.types.errors import ExecutorError, WorkerDiedError, WorkerError, WorkerTimeoutError
+from tandem.types.runner_output import ModelRunnerOutput
+from tandem.types.scheduler_output import SchedulerOutput
 
-
-class ExecutorError(RuntimeError):
-    """The executor cannot run steps any more (a worker died, hung, or failed to start)."""
-
-
-class WorkerDiedError(ExecutorError):
-    """A worker process or actor is gone; every pending and later call fails with this."""
-
-
-class WorkerTimeoutError(ExecutorError):
-    """A worker did not answer within ``rpc_timeout_s``; it is treated as hung."""
-
-
-class WorkerError(RuntimeError):
-    """An exception raised inside a worker, carrying the worker's own traceback text."""
-
-    def __init__(self, rank: int, method: str, exc_type: str, message: str, traceback_text: str) -> None:
-        self.rank, self.method, self.exc_type = rank, method, exc_type
-        self.worker_traceback = traceback_text
-        super().__init__(f"worker rank {rank} raised {exc_type} in {method}: {message}\n"
-                         f"--- worker traceback ---\n{traceback_text.rstrip()}")
+__all__ = ["Executor", "RemoteExecutor", "create_executor", "ExecutorError", "WorkerDiedError", "WorkerError",
+           "WorkerTimeoutError"]
 
 
 class Executor(abc.ABC):
@@ -52,11 +35,6 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def shutdown(self) -> None: ...
-
-
-def error_payload(exc: BaseException) -> tuple[str, str, str]:
-    """What a worker sends back for an exception: type name, message, full traceback text."""
-    return type(exc).__name__, str(exc), "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
 
 
 class RemoteExecutor(Executor):
@@ -86,24 +64,19 @@ class RemoteExecutor(Executor):
         return fut.all_results  # type: ignore[attr-defined]
 
 
-def create_executor(config, model_folder: str, max_model_len: int) -> Executor:
+def create_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
     """The executor ``config.executor`` names; multiproc and ray import their extras lazily."""
     kind = config.resolved_executor
-    if config.tensor_parallel_size > 1:
-        from tandem.distributed.parallel_state import check_tensor_parallel_shapes
-        from tandem.models.loader import load_hf_config
-
-        check_tensor_parallel_shapes(load_hf_config(model_folder), config.tensor_parallel_size)
     if kind == "uniproc":
         from tandem.executor.uniproc import UniProcExecutor
 
-        return UniProcExecutor(config, model_folder, max_model_len)
+        return UniProcExecutor(config, model_config)
     if kind == "multiproc":
         from tandem.executor.multiproc import MultiprocExecutor
 
-        return MultiprocExecutor(config, model_folder, max_model_len)
+        return MultiprocExecutor(config, model_config)
     if kind == "ray":
         from tandem.executor.ray_executor import RayExecutor
 
-        return RayExecutor(config, model_folder, max_model_len)
+        return RayExecutor(config, model_config)
     raise ValueError(f"unknown executor {config.executor!r}")

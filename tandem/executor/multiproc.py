@@ -35,14 +35,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from tandem.config import EngineConfig
-from tandem.executor.base import (
-    ExecutorError,
-    RemoteExecutor,
-    WorkerDiedError,
-    WorkerError,
-    WorkerTimeoutError,
-)
+from tandem.config import EngineConfig, ModelConfig
+from tandem.executor.base import RemoteExecutor
+from tandem.types.errors import ExecutorError, WorkerDiedError, WorkerError, WorkerTimeoutError
 from tandem.worker.worker_process import READY_SEQ, SHUTDOWN_METHOD, run_worker_process
 
 logger = logging.getLogger(__name__)
@@ -106,7 +101,7 @@ class _WorkerHandle:
 
 
 class MultiprocExecutor(RemoteExecutor):
-    def __init__(self, config: EngineConfig, model_folder: str, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         import zmq
 
         self.config = config
@@ -143,7 +138,7 @@ class MultiprocExecutor(RemoteExecutor):
                 death_reader, death_writer = mp.Pipe(duplex=False)
                 proc = mp.Process(
                     target=run_worker_process, name=f"tandem-worker-{rank}", daemon=True,
-                    kwargs=dict(rank=rank, config=config, model_folder=model_folder, max_model_len=max_model_len,
+                    kwargs=dict(rank=rank, config=config, model_config=model_config,
                                 distributed_init_method=init_method, request_addr=req_addr, reply_addr=rep_addr,
                                 death_conn=death_reader, num_threads=threads))
                 proc.start()
@@ -175,7 +170,7 @@ class MultiprocExecutor(RemoteExecutor):
                 if seq != READY_SEQ:
                     raise ExecutorError(f"worker rank {rank} sent reply #{seq} before it was ready")
                 if not ok:
-                    raise WorkerError(rank, "start-up", *payload)
+                    raise WorkerError(rank, "start-up", payload)
                 w.pid = payload
                 del waiting[w.rank]
             for w in list(waiting.values()):
@@ -257,14 +252,14 @@ class MultiprocExecutor(RemoteExecutor):
             return
         fut = pending.future
         if not ok:
-            err: Exception = WorkerError(rank, fut.method, *payload)
+            err: Exception = WorkerError(rank, fut.method, payload)
             if self.world_size > 1:
                 # A peer's death usually surfaces first as a collective error on a survivor
                 # ("connection reset"): report the death, which is the cause.
                 dead = self._dead_worker(grace_s=1.0)
                 if dead is not None:
                     err = WorkerDiedError(f"worker rank {dead.rank} (pid {dead.pid}) {describe_exit(dead.proc.exitcode)}; "
-                                          f"rank {rank} then failed in {fut.method}: {payload[0]}: {payload[1]}")
+                                          f"rank {rank} then failed in {fut.method}: {payload.exc_type}: {payload.message}")
                     with self._lock:
                         self._pending.pop(seq, None)
                     fut.set_exception(err)
@@ -276,7 +271,7 @@ class MultiprocExecutor(RemoteExecutor):
                 fut.set_exception(err)
             if self.world_size > 1:
                 self._fail(ExecutorError(f"tensor-parallel rank {rank} failed in {fut.method}; its peers are out "
-                                         f"of step, so the executor stops: {payload[0]}: {payload[1]}"))
+                                         f"of step, so the executor stops: {payload.exc_type}: {payload.message}"))
             return
         pending.replies[rank] = payload
         if len(pending.replies) == self.world_size:

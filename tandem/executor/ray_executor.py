@@ -40,15 +40,9 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Optional
 
-from tandem.config import EngineConfig
-from tandem.executor.base import (
-    ExecutorError,
-    RemoteExecutor,
-    WorkerDiedError,
-    WorkerError,
-    WorkerTimeoutError,
-    error_payload,
-)
+from tandem.config import EngineConfig, ModelConfig
+from tandem.executor.base import RemoteExecutor
+from tandem.types.errors import ErrorPayload, ExecutorError, WorkerDiedError, WorkerError, WorkerTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +64,6 @@ class RayWorkerWrapper:
 
         if num_threads > 0:
             torch.set_num_threads(num_threads)
-        logging.basicConfig(level=os.environ.get("TANDEM_LOG_LEVEL", "WARNING"))
         self.worker: Any = None
         self.rank: Optional[int] = None
 
@@ -82,21 +75,22 @@ class RayWorkerWrapper:
             s.bind(("", 0))
             return ip, s.getsockname()[1]
 
-    def init_worker(self, config: EngineConfig, model_folder: str, max_model_len: int, rank: int,
+    def init_worker(self, config: EngineConfig, model_config: ModelConfig, rank: int,
                     distributed_init_method: Optional[str], local_rank: Optional[int]) -> tuple[str, Any]:
         try:
             from tandem.worker.worker import resolve_worker_class
 
             self.rank = rank
+            logging.getLogger("tandem").setLevel(model_config.env.log_level)
             self.worker = resolve_worker_class(config.worker_cls)(
-                config, model_folder, max_model_len, rank=rank,
+                config, model_config, rank=rank,
                 distributed_init_method=distributed_init_method, local_rank=local_rank)
             return _OK, os.getpid()
         except BaseException as e:
-            return _ERR, error_payload(e)
+            return _ERR, ErrorPayload.from_exception(e)
 
     def execute_method(self, method: str, args: tuple, kwargs: dict) -> tuple[str, Any]:
-        from tandem.worker.model_runner import AsyncModelOutput
+        from tandem.worker.async_output import AsyncModelOutput
 
         try:
             result = getattr(self.worker, method)(*args, **kwargs)
@@ -104,7 +98,7 @@ class RayWorkerWrapper:
                 result = result.get()  # the host copy: the actor answers with plain data
             return _OK, result
         except BaseException as e:
-            return _ERR, error_payload(e)
+            return _ERR, ErrorPayload.from_exception(e)
 
 
 _remote_cls: Any = None
@@ -168,7 +162,7 @@ class _RayFuture(Future):
 
 
 class RayExecutor(RemoteExecutor):
-    def __init__(self, config: EngineConfig, model_folder: str, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         import ray
 
         self._ray = ray
@@ -188,14 +182,14 @@ class RayExecutor(RemoteExecutor):
         self._owns_ray = False
         self._killed = False
         try:
-            self._start(config, model_folder, max_model_len)
+            self._start(config, model_config)
         except BaseException:
             self.shutdown()
             raise
         logger.info("ray executor: %d actor(s), pids %s", self.world_size, self._pids)
 
     # -- start-up ----------------------------------------------------------------------
-    def _start(self, config: EngineConfig, model_folder: str, max_model_len: int) -> None:
+    def _start(self, config: EngineConfig, model_config: ModelConfig) -> None:
         ray = self._ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -211,11 +205,11 @@ class RayExecutor(RemoteExecutor):
                 ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
                          runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}})
             self._owns_ray = True
-        cuda = config.resolved_device() == "cuda"
+        cuda = model_config.device == "cuda"
         bundle = {"GPU": 1} if cuda else {"CPU": 1}
         (kind, need), = bundle.items()
         total = ray.cluster_resources().get(kind, 0)
-        if total < need * self.world_size and not os.environ.get("TANDEM_RAY_WAIT_FOR_RESOURCES"):
+        if total < need * self.world_size and not model_config.env.ray_wait_for_resources:
             # A fixed cluster can never place it: say so now rather than after the start-up
             # timeout. (An autoscaling cluster may grow: set TANDEM_RAY_WAIT_FOR_RESOURCES=1.)
             raise ExecutorError(
@@ -244,7 +238,7 @@ class RayExecutor(RemoteExecutor):
             ip, port = self._get_start(self._actors[0].get_node_ip_and_free_port.remote(), 0, "start-up", deadline)
             init_method = f"tcp://{ip}:{port}"
         # With tensor parallelism construction is a collective: start every rank, then wait.
-        refs = [a.init_worker.remote(config, model_folder, max_model_len, rank, init_method, 0 if cuda else None)
+        refs = [a.init_worker.remote(config, model_config, rank, init_method, 0 if cuda else None)
                 for rank, a in enumerate(self._actors)]
         ref_rank = {r: i for i, r in enumerate(refs)}
         remaining = list(refs)
@@ -258,7 +252,7 @@ class RayExecutor(RemoteExecutor):
                 rank = ref_rank[r]
                 tag, payload = self._get_start(r, rank, "start-up", deadline)
                 if tag != _OK:
-                    raise WorkerError(rank, "start-up", *payload)
+                    raise WorkerError(rank, "start-up", payload)
                 self._pids[rank] = payload
 
     def _get_start(self, ref: Any, rank: int, what: str, deadline: float) -> Any:
@@ -352,14 +346,14 @@ class RayExecutor(RemoteExecutor):
                         f"the executor cannot run more steps: {_short(e)}"))
                     return
                 except Exception as e:  # e.g. the reply could not be deserialized
-                    err = WorkerError(rank, fut.method, *error_payload(e))
+                    err = WorkerError(rank, fut.method, ErrorPayload.from_exception(e))
                     self._on_worker_error(fut, rank, err, f"{type(e).__name__}: {e}")
                     return
                 if tag != _OK:
                     if self.world_size > 1 and self._peer_died(fut, remaining, ref_rank):
                         return  # a peer's death made this rank's collective fail: report the death
-                    err = WorkerError(rank, fut.method, *payload)
-                    self._on_worker_error(fut, rank, err, f"{payload[0]}: {payload[1]}")
+                    err = WorkerError(rank, fut.method, payload)
+                    self._on_worker_error(fut, rank, err, f"{payload.exc_type}: {payload.message}")
                     return
                 results[rank] = payload
         if fut.done():

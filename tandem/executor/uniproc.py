@@ -12,10 +12,11 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
-from tandem.config import EngineConfig
-from tandem.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tandem.config import EngineConfig, ModelConfig
 from tandem.executor.base import Executor
-from tandem.worker.model_runner import AsyncModelOutput
+from tandem.types.runner_output import ModelRunnerOutput
+from tandem.types.scheduler_output import SchedulerOutput
+from tandem.worker.async_output import AsyncModelOutput
 from tandem.worker.worker import resolve_worker_class
 
 
@@ -39,9 +40,8 @@ class _StepFuture(Future):
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_folder: str, max_model_len: int,
-                 step_thread: bool = False) -> None:
-        self.worker = resolve_worker_class(config.worker_cls)(config, model_folder, max_model_len)
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, step_thread: bool = False) -> None:
+        self.worker = resolve_worker_class(config.worker_cls)(config, model_config)
         self._pool: Optional[ThreadPoolExecutor] = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-step")
             if step_thread and config.async_scheduling else None
@@ -62,7 +62,7 @@ class UniProcExecutor(Executor):
         return [getattr(self.worker, method)(*args, **kwargs)]
 
     def check_health(self) -> None:
-        self.worker.check_health()
+        """Nothing to check: the worker lives in this process, so if we run, it runs."""
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import glob
 import importlib.util
 import json
@@ -22,11 +23,12 @@ import re
 import shutil
 import tempfile
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
+from tandem.config.model import EnvSwitches
 from tandem.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -54,31 +56,29 @@ def default_model_path() -> str:
     return path
 
 
-def cache_dir() -> str:
-    """Root of tandem's on-disk cache: ``$TANDEM_CACHE_DIR`` or ``~/.cache/tandem``."""
-    return os.path.abspath(os.path.expanduser(os.environ.get("TANDEM_CACHE_DIR") or "~/.cache/tandem"))
-
-
-def resolve_model(path: str) -> str:
+def resolve_model(path: str, cache_root: Optional[str] = None) -> str:
     """Turn a user-given model path into an HF-style folder we can load.
 
     * a folder with ``config.json``: returned as is;
-    * a ``.gguf`` file, or a folder holding exactly one: converted once into the cache.
+    * a ``.gguf`` file, or a folder holding exactly one: converted once into the cache
+      under ``cache_root`` (``EnvSwitches.cache_root``).
     """
+    if cache_root is None:
+        cache_root = EnvSwitches.from_environ().cache_root
     p = os.path.abspath(os.path.expanduser(str(path)))
     if os.path.isdir(p):
         if os.path.isfile(os.path.join(p, "config.json")):
             return p
         ggufs = sorted(glob.glob(os.path.join(p, "*.gguf")))
         if len(ggufs) == 1:
-            return _convert_gguf_cached(ggufs[0])
+            return _convert_gguf_cached(ggufs[0], cache_root)
         if len(ggufs) > 1:
             raise ValueError(f"model folder {p} has no config.json and several .gguf files "
                              f"({', '.join(os.path.basename(g) for g in ggufs)}); pass one file")
         raise FileNotFoundError(f"model folder {p} has neither config.json nor a .gguf file")
     if os.path.isfile(p):
         if p.lower().endswith(".gguf"):
-            return _convert_gguf_cached(p)
+            return _convert_gguf_cached(p, cache_root)
         raise ValueError(f"model path {p} is a file but not a .gguf; pass a .gguf file or an HF model folder")
     raise FileNotFoundError(
         f"model path {path!r} does not exist; tandem loads only local HF-style folders (config.json + "
@@ -86,14 +86,14 @@ def resolve_model(path: str) -> str:
     )
 
 
-def _gguf_cache_folder(gguf_path: str) -> str:
+def _gguf_cache_folder(gguf_path: str, cache_root: str) -> str:
     st = os.stat(gguf_path)
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(gguf_path))
-    return os.path.join(cache_dir(), "gguf", f"{stem}-{st.st_size}-{st.st_mtime_ns}")
+    return os.path.join(cache_root, "gguf", f"{stem}-{st.st_size}-{st.st_mtime_ns}")
 
 
-def _convert_gguf_cached(gguf_path: str) -> str:
-    target = _gguf_cache_folder(gguf_path)
+def _convert_gguf_cached(gguf_path: str, cache_root: str) -> str:
+    target = _gguf_cache_folder(gguf_path, cache_root)
     if os.path.isfile(os.path.join(target, "config.json")):
         return target
     parent = os.path.dirname(target)
@@ -152,8 +152,10 @@ def load_hf_config(folder: str) -> Any:
     return AutoConfig.from_pretrained(folder, local_files_only=True)
 
 
+@functools.lru_cache(maxsize=4)
 def load_tokenizer(folder: str) -> Any:
-    """The folder's (fast) tokenizer."""
+    """The folder's (fast) tokenizer, loaded once per folder (resolving the model config
+    reads its EOS id; the front end then uses the same object)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder, use_fast=True, local_files_only=True)
@@ -212,14 +214,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(prev)
 
 
-def load_model(folder: str, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def load_model(folder: str, dtype: torch.dtype, device: torch.device | str, hf_config: Any = None) -> nn.Module:
     """Build the folder's architecture directly on ``device`` in ``dtype`` and load its weights.
 
     Parameters are allocated on the target device (no CPU copy of the whole model first);
     checkpoint tensors are streamed from safetensors and copied in. Returns the model in
     eval mode with gradients disabled.
     """
-    config = load_hf_config(folder)
+    config = hf_config if hf_config is not None else load_hf_config(folder)
     cls = get_model_class(config)
     dev = torch.device(device)
     t0 = time.monotonic()

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from tandem.core.sched_output import NewRequestData
+from tandem.types.scheduler_output import NewRequestData
 from tandem.sampling_params import SamplingParams
 
 

@@ -8,38 +8,20 @@ rank 0 (the driver rank) samples, and only its ``execute_model`` returns an outp
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
 from typing import Optional
 
 import torch
 
-from tandem.config import EngineConfig
-from tandem.core.sched_output import SchedulerOutput
-from tandem.distributed import get_tp_world_size, init_tensor_parallel
-from tandem.worker.model_runner import AsyncModelOutput, ModelRunner
+from tandem.config import EngineConfig, ModelConfig
+from tandem.distributed import init_tensor_parallel
+from tandem.types.scheduler_output import SchedulerOutput
+from tandem.worker.async_output import AsyncModelOutput
+from tandem.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[config.dtype]
-
-
-@dataclass
-class ModelInfo:
-    """Facts about the loaded model that the engine needs (plain data)."""
-
-    vocab_size: int
-    max_position_embeddings: int
-    num_layers: int
-    num_kv_heads: int  # in the whole model
-    num_kv_heads_per_rank: int  # held by each tensor-parallel rank (split, or replicated)
-    head_dim: int
-    dtype_bytes: int
 
 
 class Worker:
@@ -47,14 +29,15 @@ class Worker:
     the worker joins the group before building the model, whose layers then hold this
     rank's shard."""
 
-    def __init__(self, config: EngineConfig, model_folder: str, max_model_len: int, rank: int = 0,
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, rank: int = 0,
                  distributed_init_method: Optional[str] = None, local_rank: Optional[int] = None) -> None:
-        from tandem.models.loader import load_hf_config, load_model
+        from tandem.models.loader import load_model
 
         self.config = config
+        self.model_config = model_config
         self.rank = rank
         world_size = config.tensor_parallel_size
-        device = torch.device(config.resolved_device())
+        device = torch.device(model_config.device)
         if device.type == "cuda":
             # local_rank: the GPU index this process sees (Ray gives each actor one GPU: 0).
             # With more ranks than GPUs (only workable with a gloo backend), ranks share GPUs.
@@ -63,32 +46,16 @@ class Worker:
             device = torch.device("cuda", index)
             torch.cuda.set_device(device)
         self.device = device
-        self.dtype = resolve_dtype(config, self.device)
-        init_tensor_parallel(rank, world_size, distributed_init_method, device)
-        torch.manual_seed(config.seed)
-        hf = load_hf_config(model_folder)
-        self.hf_config = hf
-        self.model = load_model(model_folder, self.dtype, self.device)
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        self.info = ModelInfo(
-            vocab_size=hf.vocab_size,
-            max_position_embeddings=getattr(hf, "max_position_embeddings", 2048),
-            num_layers=hf.num_hidden_layers,
-            num_kv_heads=num_kv_heads,
-            num_kv_heads_per_rank=max(1, num_kv_heads // get_tp_world_size()),
-            head_dim=head_dim,
-            dtype_bytes=torch.empty(0, dtype=self.dtype).element_size(),
-        )
-        self.runner = ModelRunner(self.model, hf.vocab_size, config.block_size, max_model_len,
+        self.dtype = _DTYPES[model_config.dtype]
+        init_tensor_parallel(rank, world_size, distributed_init_method, device, backend=model_config.env.dist_backend)
+        # The engine's seed, for unseeded sampling (the default generator of this device).
+        torch.random.manual_seed(config.seed)
+        self.model = load_model(model_config.folder, self.dtype, self.device, hf_config=model_config.hf_config)
+        self.runner = ModelRunner(self.model, model_config.vocab_size, config.block_size, model_config.max_model_len,
                                   config.max_num_seqs, self.device, self.dtype)
 
-    def get_model_info(self) -> ModelInfo:
-        return self.info
-
     def block_bytes(self) -> int:
-        i = self.info
-        return 2 * i.num_layers * self.config.block_size * i.num_kv_heads_per_rank * i.head_dim * i.dtype_bytes
+        return self.model_config.kv_block_bytes(self.config.block_size, self.config.tensor_parallel_size)
 
     @torch.inference_mode()
     def determine_num_kv_blocks(self) -> int:
@@ -122,8 +89,9 @@ class Worker:
         return blocks
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        i = self.info
-        self.runner.init_kv_cache(num_blocks, i.num_layers, i.num_kv_heads_per_rank, i.head_dim)
+        mc = self.model_config
+        self.runner.init_kv_cache(num_blocks, mc.num_layers, mc.num_kv_heads_per_rank(self.config.tensor_parallel_size),
+                                  mc.head_dim)
 
     def execute_model(self, so: SchedulerOutput) -> Optional[AsyncModelOutput]:
         """Launch one step. Rank 0 returns its output handle; other ranks return None (they
@@ -131,12 +99,7 @@ class Worker:
         out = self.runner.execute_model(so)
         return out if self.rank == 0 else None
 
-    def check_health(self) -> bool:
-        return True
-
     def get_pid(self) -> int:
-        import os
-
         return os.getpid()
 
     def shutdown(self) -> None:

@@ -27,7 +27,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
-from tandem.executor.base import error_payload
+from tandem.types.errors import ErrorPayload
 
 READY_SEQ = -1
 SHUTDOWN_METHOD = "__shutdown__"
@@ -63,7 +63,7 @@ class _ReplySender(threading.Thread):
         self.join()
 
     def run(self) -> None:
-        from tandem.worker.model_runner import AsyncModelOutput
+        from tandem.worker.async_output import AsyncModelOutput
 
         while True:
             item = self.q.get()
@@ -74,22 +74,22 @@ class _ReplySender(threading.Thread):
                 try:
                     payload = payload.get()
                 except BaseException as e:  # e.g. a CUDA error surfacing at the copy
-                    ok, payload = False, error_payload(e)
+                    ok, payload = False, ErrorPayload.from_exception(e)
             try:
                 data = pickle.dumps((seq, self.rank, ok, payload), protocol=pickle.HIGHEST_PROTOCOL)
             except BaseException as e:  # an unpicklable result still gets its one reply
-                data = pickle.dumps((seq, self.rank, False, error_payload(e)), protocol=pickle.HIGHEST_PROTOCOL)
+                data = pickle.dumps((seq, self.rank, False, ErrorPayload.from_exception(e)), protocol=pickle.HIGHEST_PROTOCOL)
             self.sock.send(data, copy=False)
 
 
-def run_worker_process(rank: int, config: Any, model_folder: str, max_model_len: int,
+def run_worker_process(rank: int, config: Any, model_config: Any,
                        distributed_init_method: Optional[str], request_addr: str, reply_addr: str,
                        death_conn: Connection, num_threads: int) -> None:
     """Entry point of a spawned worker process (see the module docstring for the protocol)."""
     import zmq
 
     threading.Thread(target=_watch_parent, args=(death_conn,), name="tandem-parent-watch", daemon=True).start()
-    logging.basicConfig(level=os.environ.get("TANDEM_LOG_LEVEL", "WARNING"),
+    logging.basicConfig(level=model_config.env.log_level,
                         format=f"%(asctime)s worker{rank} %(levelname)s %(name)s: %(message)s")
     import torch
 
@@ -109,9 +109,9 @@ def run_worker_process(rank: int, config: Any, model_folder: str, max_model_len:
             from tandem.worker.worker import resolve_worker_class
 
             worker = resolve_worker_class(config.worker_cls)(
-                config, model_folder, max_model_len, rank=rank, distributed_init_method=distributed_init_method)
+                config, model_config, rank=rank, distributed_init_method=distributed_init_method)
         except BaseException as e:
-            sender.put(READY_SEQ, False, error_payload(e))
+            sender.put(READY_SEQ, False, ErrorPayload.from_exception(e))
             return
         sender.put(READY_SEQ, True, os.getpid())
         _serve(worker, requests, sender)
@@ -140,7 +140,7 @@ def _serve(worker: Any, requests: Any, sender: _ReplySender) -> None:
         try:
             result = getattr(worker, method)(*args, **kwargs)
         except BaseException as e:
-            sender.put(seq, False, error_payload(e))
+            sender.put(seq, False, ErrorPayload.from_exception(e))
             if not isinstance(e, Exception):  # KeyboardInterrupt/SystemExit: answer, then stop
                 raise
             continue

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tandem.distributed import init_tensor_parallel
-from tandem.distributed.parallel_state import check_tensor_parallel_shapes, destroy_tensor_parallel, pretend_tp_rank
+from tandem.config import ModelConfig
+from tandem.distributed.parallel_state import destroy_tensor_parallel, pretend_tp_rank
 from tandem.layers.attention import AttentionMetadata, set_forward_context
 from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -189,8 +190,9 @@ def test_engine_refuses_unsplittable_model_before_starting_workers(tiny_factory,
     from tandem.entrypoints.cli import main
 
     with pytest.raises(ValueError, match="num_attention_heads 9 is not divisible by it"):
-        check_tensor_parallel_shapes(SimpleNamespace(num_attention_heads=9, num_key_value_heads=3,
-                                                     intermediate_size=64), 2)
+        ModelConfig(folder="x", tokenizer="x", dtype="float32", device="cpu", max_model_len=8, eos_token_ids=(),
+                    hf_config=SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, intermediate_size=64)
+                    ).check_tensor_parallel(2)
     folder = tiny_factory("llama", num_attention_heads=4, num_key_value_heads=2)
     assert main(["generate", "--model", folder, "--tensor-parallel-size", "3", "--prompt", "t5", "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err

@@ -9,27 +9,35 @@ from __future__ import annotations
 
 import random
 import threading
+import zlib
+from types import SimpleNamespace
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tandem.config import EngineConfig
-from tandem.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tandem.engine.core import EngineCore, EngineStallError
-from tandem.engine.request import Request
+from tandem.config import EngineConfig, ModelConfig
+from tandem.types.runner_output import ModelRunnerOutput
+from tandem.types.scheduler_output import SchedulerOutput
+from tandem.engine.engine_core import EngineCore, EngineStallError
+from tandem.types.request import Request
 from tandem.executor.base import Executor
 from tandem.sampling_params import SamplingParams
-from tandem.worker.worker import ModelInfo
 
 pytestmark = pytest.mark.timeout(60)
 
 EOS = 1
+# The loop never looks inside the model: a config with the fields the engine reads is enough.
+FAKE_MODEL = ModelConfig(folder="unused", tokenizer="unused",
+                         hf_config=SimpleNamespace(vocab_size=100, num_hidden_layers=1, num_attention_heads=1,
+                                                   hidden_size=8),
+                         dtype="float32", device="cpu", max_model_len=256, eos_token_ids=(EOS,))
 
 
 def fake_token(req_id: str, position: int) -> int:
-    """Deterministic 'model': the token depends only on the request and the position."""
-    return (hash((req_id, position)) % 50) + 2 if position % 7 else EOS
+    """Deterministic 'model': the token depends only on the request and the position
+    (crc32, not the salted ``hash()``, so a failing hypothesis example reproduces)."""
+    return (zlib.crc32(f"{req_id}:{position}".encode()) % 50) + 2 if position % 7 else EOS
 
 
 class FakeExecutor(Executor):
@@ -63,8 +71,6 @@ class FakeExecutor(Executor):
         return f
 
     def collective_rpc(self, method, *args, **kwargs):
-        if method == "get_model_info":
-            return [ModelInfo(vocab_size=100, max_position_embeddings=4096, num_layers=1, num_kv_heads=1, num_kv_heads_per_rank=1, head_dim=8, dtype_bytes=4)]
         if method == "determine_num_kv_blocks":
             return [self.num_blocks]
         return [None]
@@ -82,7 +88,7 @@ class FakeExecutor(Executor):
 def make_core(async_scheduling: bool, executor: FakeExecutor | None = None, **kw) -> EngineCore:
     cfg = EngineConfig(async_scheduling=async_scheduling, block_size=4, max_num_seqs=4,
                        max_num_batched_tokens=16, **kw)
-    return EngineCore(cfg, "unused", max_model_len=256, executor=executor or FakeExecutor())
+    return EngineCore(cfg, FAKE_MODEL, executor=executor or FakeExecutor())
 
 
 def req(rid: str, n_prompt: int = 5, max_tokens: int = 8, **sp) -> Request:

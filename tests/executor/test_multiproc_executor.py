@@ -27,11 +27,12 @@ from engine_harness import assert_same, random_workload, run_workload  # noqa: E
 
 from executor_test_utils import BASE, FAULTY, SETTINGS, VOCAB, pid_alive, wait_gone  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
-from tandem.core.sched_output import SchedulerOutput  # noqa: E402
+from tandem.types.scheduler_output import SchedulerOutput  # noqa: E402
 from tandem.engine.llm_engine import LLMEngine, RequestError  # noqa: E402
 from tandem.entrypoints.llm import LLM  # noqa: E402
-from tandem.executor.base import ExecutorError, WorkerDiedError, WorkerError, WorkerTimeoutError  # noqa: E402
+from tandem.types.errors import ExecutorError, WorkerDiedError, WorkerError, WorkerTimeoutError  # noqa: E402
 from tandem.executor.multiproc import MultiprocExecutor  # noqa: E402
+from tandem.models.model_config import resolve_model_config  # noqa: E402
 from tandem.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -81,7 +82,7 @@ def executor_factory(tp_model):
 
     def make(tp: int = 1, **kw) -> MultiprocExecutor:
         cfg = EngineConfig(model=tp_model, executor="multiproc", tensor_parallel_size=tp, **{**BASE, **kw})
-        ex = MultiprocExecutor(cfg, tp_model, 256)
+        ex = MultiprocExecutor(cfg, resolve_model_config(cfg))
         made.append(ex)
         return ex
 
@@ -105,12 +106,12 @@ def test_priming_call_is_answered_and_replies_come_in_order(executor_factory, tp
     ex = executor_factory(tp)
     _ready(ex)
     prime = ex.execute_model(SchedulerOutput(step_id=0, requests=[]))
-    infos = [ex._call("get_model_info", (), {}) for _ in range(3)]
+    infos = [ex._call("get_pid", (), {}) for _ in range(3)]
     second = ex.execute_model(SchedulerOutput(step_id=1, requests=[]))
     out = prime.result(timeout=30)
     assert out.step_id == 0 and out.req_ids == [] and out.sampled_token_ids == []
     assert second.result(timeout=30).step_id == 1
-    assert all(f.result(timeout=30).vocab_size == VOCAB for f in infos)
+    assert all(f.result(timeout=30) == ex.worker_pids[0] for f in infos)
     assert [f.all_results is not None for f in infos] == [True] * 3
     assert len(ex.collective_rpc("get_pid")) == tp
     assert sorted(ex.collective_rpc("get_pid")) == sorted(ex.worker_pids)
@@ -124,7 +125,7 @@ def test_worker_exception_comes_back_with_its_traceback_and_worker_stays_usable(
     msg = str(ei.value)
     assert "ValueError" in msg and "no-such-fault" in msg
     assert "faulty_worker.py" in ei.value.worker_traceback, "the worker's own traceback must be carried"
-    assert ex.collective_rpc("get_model_info")[0].vocab_size == VOCAB  # one rank: still usable
+    assert ex.collective_rpc("get_pid") == ex.worker_pids  # one rank: still usable
 
 
 @pytest.mark.timeout(90)
@@ -174,7 +175,7 @@ def test_worker_dying_mid_step_fails_pending_and_later_calls(tp_model, kind, tp)
             llm.generate([[5, 6]], sp, use_tqdm=False)
         assert time.monotonic() - t0 < 5
         with pytest.raises(WorkerDiedError):
-            ex.collective_rpc("get_model_info")
+            ex.collective_rpc("get_pid")
         assert wait_gone(pids) == [], "the surviving ranks must be stopped too"
     finally:
         llm.shutdown()
@@ -214,7 +215,7 @@ def test_hung_worker_times_out_instead_of_hanging(tp_model):
         assert 2.5 < elapsed < 30, elapsed
         assert "WorkerTimeoutError" in str(ei.value) and "rpc_timeout_s" in str(ei.value)
         with pytest.raises(WorkerTimeoutError):
-            ex.collective_rpc("get_model_info")
+            ex.collective_rpc("get_pid")
         assert wait_gone(pids) == [], "a hung worker must be stopped"
     finally:
         llm.shutdown()
@@ -226,7 +227,7 @@ def test_worker_that_fails_to_start_reports_why_and_leaves_nothing(tp_model):
     cfg = EngineConfig(model=tp_model, executor="multiproc", tensor_parallel_size=2,
                        worker_cls="tandem.config.EngineConfig", **BASE)
     with pytest.raises(WorkerError, match="not a subclass of tandem.worker.worker.Worker"):
-        MultiprocExecutor(cfg, tp_model, 256)
+        MultiprocExecutor(cfg, resolve_model_config(cfg))
     assert set(Path("/tmp").glob("tandem-ipc-*")) <= before, "IPC folder left behind"
 
 
@@ -238,16 +239,17 @@ def test_calls_after_shutdown_fail_clearly(executor_factory):
     ex.shutdown()  # idempotent
     assert wait_gone(pids) == []
     with pytest.raises(ExecutorError, match="shut down"):
-        ex.collective_rpc("get_model_info")
+        ex.collective_rpc("get_pid")
 
 
 _DRIVER = textwrap.dedent("""
     import json, sys, time
     from tandem.config import EngineConfig
     from tandem.executor.multiproc import MultiprocExecutor
+    from tandem.models.model_config import resolve_model_config
     if __name__ == "__main__":
         cfg = EngineConfig(model=sys.argv[1], executor="multiproc", tensor_parallel_size=2, num_kv_blocks=16)
-        ex = MultiprocExecutor(cfg, sys.argv[1], 128)
+        ex = MultiprocExecutor(cfg, resolve_model_config(cfg))
         print(json.dumps({"pids": ex.worker_pids}), flush=True)
         time.sleep(600)
 """)

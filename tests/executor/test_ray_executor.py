@@ -34,10 +34,11 @@ from engine_harness import assert_same, random_workload, run_workload  # noqa: E
 from proc_utils import live_children  # noqa: E402
 from executor_test_utils import BASE, FAULTY, SETTINGS, VOCAB, pid_alive, wait_gone  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
-from tandem.core.sched_output import SchedulerOutput  # noqa: E402
+from tandem.models.model_config import resolve_model_config  # noqa: E402
+from tandem.types.scheduler_output import SchedulerOutput  # noqa: E402
 from tandem.engine.llm_engine import LLMEngine, RequestError  # noqa: E402
 from tandem.entrypoints.llm import LLM  # noqa: E402
-from tandem.executor.base import ExecutorError, WorkerDiedError, WorkerError, WorkerTimeoutError  # noqa: E402
+from tandem.types.errors import ExecutorError, WorkerDiedError, WorkerError, WorkerTimeoutError  # noqa: E402
 from tandem.sampling_params import SamplingParams  # noqa: E402
 
 RAY_CPUS = 4
@@ -161,12 +162,12 @@ def test_priming_call_is_answered_and_replies_come_in_order(engines):
     """An empty step (one that only primes the pipeline) is answered like any other, in order."""
     ex = engines.get(1).engine.core.executor
     prime = ex.execute_model(SchedulerOutput(step_id=0, requests=[]))
-    infos = [ex._call("get_model_info", (), {}) for _ in range(3)]
+    infos = [ex._call("get_pid", (), {}) for _ in range(3)]
     second = ex.execute_model(SchedulerOutput(step_id=1, requests=[]))
     out = prime.result(timeout=30)
     assert out.step_id == 0 and out.req_ids == [] and out.sampled_token_ids == []
     assert second.result(timeout=30).step_id == 1
-    assert all(f.result(timeout=30).vocab_size == VOCAB for f in infos)
+    assert all(f.result(timeout=30) == ex.worker_pids[0] for f in infos)
     assert sorted(ex.collective_rpc("get_pid")) == sorted(ex.worker_pids)
 
 
@@ -187,7 +188,7 @@ def test_worker_exception_comes_back_with_its_traceback_and_worker_stays_usable(
     msg = str(ei.value)
     assert "ValueError" in msg and "no-such-fault" in msg and ei.value.rank == 0
     assert "faulty_worker.py" in ei.value.worker_traceback, "the worker's own traceback must be carried"
-    assert ex.collective_rpc("get_model_info")[0].vocab_size == VOCAB  # one rank: still usable
+    assert ex.collective_rpc("get_pid") == ex.worker_pids  # one rank: still usable
 
 
 @pytest.mark.timeout(60)
@@ -227,7 +228,7 @@ def test_tp1_worker_killed_mid_step_fails_pending_and_later_calls(engines):
         fut = ex.execute_model(SchedulerOutput(step_id=99, requests=[]))
         assert fut.done() and isinstance(fut.exception(), WorkerDiedError), "a broken executor fails at once"
         with pytest.raises(WorkerDiedError):
-            ex.collective_rpc("get_model_info")
+            ex.collective_rpc("get_pid")
         assert wait_gone(pids) == []
     finally:
         shutdown_and_check(llm)
@@ -248,7 +249,7 @@ def test_hung_worker_times_out_instead_of_hanging(engines):
         assert "WorkerTimeoutError" in str(ei.value) and "rpc_timeout_s" in str(ei.value)
         t0 = time.monotonic()
         with pytest.raises(WorkerTimeoutError):  # broken: later calls fail fast
-            ex.collective_rpc("get_model_info")
+            ex.collective_rpc("get_pid")
         assert time.monotonic() - t0 < 1
         assert wait_gone(pids) == [], "a hung actor must be killed"
     finally:
@@ -263,7 +264,7 @@ def test_cluster_too_small_for_the_placement_group_fails_clearly(ray_cluster, tp
 
     t0 = time.monotonic()
     with pytest.raises(ExecutorError, match="cannot place"):
-        RayExecutor(cfg, tp_model, 256)
+        RayExecutor(cfg, resolve_model_config(cfg))
     assert time.monotonic() - t0 < 20
     assert ray.is_initialized(), "an executor must not stop a Ray it did not start"
 
@@ -303,7 +304,7 @@ def test_shutdown_leaves_no_actor_process_and_later_calls_fail_clearly(engines):
     ex.shutdown()  # idempotent
     assert wait_gone(pids, timeout=10) == [], "actor processes outlived shutdown()"
     with pytest.raises(ExecutorError, match="shut down"):
-        ex.collective_rpc("get_model_info")
+        ex.collective_rpc("get_pid")
     fut = ex.execute_model(SchedulerOutput(step_id=0, requests=[]))
     assert fut.done() and isinstance(fut.exception(), ExecutorError)
     assert ray.is_initialized(), "an executor must not stop a Ray it did not start"
@@ -341,7 +342,7 @@ def test_tp2_rank_killed_mid_step_is_reported_as_a_death(engines):
         assert time.monotonic() - t0 < 20, "death must be detected within seconds"
         assert "WorkerDiedError" in str(ei.value) and "rank 1" in str(ei.value)
         with pytest.raises(WorkerDiedError, match="rank 1"):
-            ex.collective_rpc("get_model_info")
+            ex.collective_rpc("get_pid")
         assert wait_gone(pids) == [], "the surviving rank must be killed too"
     finally:
         shutdown_and_check(llm)

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tandem.core.kv_cache import _ROOT_HASH, BlockPool, KVCacheManager, hash_block
-from tandem.engine.request import Request
+from tandem.scheduler.kv_cache import _ROOT_HASH, BlockPool, KVCacheManager, hash_block
+from tandem.types.request import Request
 from tandem.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)

@@ -23,10 +23,11 @@ from typing import Callable, Optional
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
-from tandem.core.kv_cache import KVCacheManager
-from tandem.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tandem.core.scheduler import Scheduler
-from tandem.engine.request import Request, RequestStatus
+from tandem.scheduler.kv_cache import KVCacheManager
+from tandem.types.runner_output import ModelRunnerOutput
+from tandem.types.scheduler_output import SchedulerOutput
+from tandem.scheduler.scheduler import Scheduler
+from tandem.types.request import Request, RequestStatus
 from tandem.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
@@ -758,7 +759,7 @@ def test_request_id_reuse():
 
 # -- prefix-cache hashing and placeholders -------------------------------------------------------
 def test_block_hashes_cover_only_real_tokens_during_async():
-    from tandem.core.kv_cache import _ROOT_HASH, hash_block
+    from tandem.scheduler.kv_cache import _ROOT_HASH, hash_block
 
     s = mksched(block_size=4)
     r = mkreq("r", 7, max_tokens=10, ignore_eos=True)

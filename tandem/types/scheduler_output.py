@@ -1,6 +1,6 @@
-"""Plain data that flows down (scheduler -> worker) and up (worker -> scheduler).
+"""What the scheduler sends down to the workers for one step (plain data).
 
-Both cross process boundaries unchanged, so they hold only ids, ints and lists. During
+It crosses process boundaries unchanged, so it holds only ids, ints and lists. During
 decode only the delta travels: a cached request sends its new block ids, never its tokens.
 """
 from __future__ import annotations
@@ -51,22 +51,3 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.requests
-
-
-@dataclass
-class SampledLogprobs:
-    """Top-n logprobs at one position: column 0 is the sampled (or prompt) token."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int
-
-
-@dataclass
-class ModelRunnerOutput:
-    step_id: int
-    req_ids: list[str]  # requests that sampled this step, in batch order
-    sampled_token_ids: list[int]
-    logprobs: Optional[list[SampledLogprobs]] = None  # aligned with req_ids, when any request asked
-    # req_id -> logprobs of prompt positions covered by this step's chunk (target = next prompt token)
-    prompt_logprobs: dict[str, list[SampledLogprobs]] = field(default_factory=dict)

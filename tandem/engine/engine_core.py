@@ -24,12 +24,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from tandem.config import EngineConfig
-from tandem.core.kv_cache import KVCacheManager
-from tandem.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tandem.core.scheduler import EngineCoreOutput, Scheduler
-from tandem.engine.request import Request
-from tandem.executor.base import Executor, create_executor
+from tandem.config import EngineConfig, ModelConfig
+from tandem.executor import Executor, create_executor
+from tandem.scheduler.kv_cache import KVCacheManager
+from tandem.scheduler.scheduler import Scheduler
+from tandem.types.engine_output import EngineCoreOutput
+from tandem.types.request import Request
+from tandem.types.runner_output import ModelRunnerOutput
+from tandem.types.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +50,11 @@ class LoopStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_folder: str, max_model_len: int,
+    def __init__(self, config: EngineConfig, model_config: ModelConfig,
                  executor: Optional[Executor] = None) -> None:
         self.config = config
-        self.max_model_len = max_model_len
-        self.executor = executor or create_executor(config, model_folder, max_model_len)
-        self.model_info = self.executor.collective_rpc("get_model_info")[0]
+        self.model_config = model_config
+        self.executor = executor or create_executor(config, model_config)
         # Every worker must fit the cache: take the smallest count any of them reports.
         num_blocks = min(self.executor.collective_rpc("determine_num_kv_blocks"))
         self.executor.collective_rpc("init_kv_cache", num_blocks)
@@ -62,7 +63,7 @@ class EngineCore:
             self.kv_cache,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len,
+            max_model_len=model_config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.depth = config.max_concurrent_batches
@@ -135,3 +136,9 @@ class EngineCore:
             self.drain()
         finally:
             self.executor.shutdown()
+
+    def __enter__(self) -> "EngineCore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -21,7 +21,7 @@ from typing import Optional
 
 import xxhash
 
-from tandem.engine.request import Request
+from tandem.types.request import Request
 
 logger = logging.getLogger(__name__)
 

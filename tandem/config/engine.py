@@ -133,13 +133,6 @@ class EngineConfig:
             return self.executor
         return "uniproc" if self.tensor_parallel_size == 1 else "multiproc"
 
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
     # -- CLI mirroring -------------------------------------------------------------
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

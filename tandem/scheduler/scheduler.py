@@ -24,34 +24,16 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from tandem.core.kv_cache import KVCacheManager
-from tandem.core.sched_output import (
-    ModelRunnerOutput,
-    NewRequestData,
-    SampledLogprobs,
-    ScheduledRequest,
-    SchedulerOutput,
-)
-from tandem.engine.request import Request, RequestStatus
+from tandem.scheduler.kv_cache import KVCacheManager
+from tandem.types.engine_output import EngineCoreOutput
+from tandem.types.request import Request, RequestStatus
+from tandem.types.runner_output import ModelRunnerOutput
+from tandem.types.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one request (the engine turns these into user outputs)."""
-
-    req_id: str
-    new_token_ids: list[int]
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[int | str] = None
-    logprobs: list[SampledLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[SampledLogprobs] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    error: Optional[str] = None
 
 
 @dataclass

@@ -1,0 +1,117 @@
+"""The model as resolved once, on the driver, and passed down to every layer and process.
+
+``EngineConfig`` says what the user asked for (a path, ``dtype="auto"``, maybe a
+``max_model_len``); ``ModelConfig`` is what that resolves to: the HF folder actually
+loaded (a GGUF converted into the cache), the HF config read from it, the concrete dtype
+and device, the context length, the EOS ids, and the ``TANDEM_*`` environment switches.
+It is built by ``tandem.models.model_config.resolve_model_config`` and never re-derived
+below: workers, executors and the scheduler read it instead of loading ``config.json``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class EnvSwitches:
+    """The environment variables tandem reads, read once (on the driver) and sent down.
+
+    - ``TANDEM_CACHE_DIR`` (``cache_dir``): root of the on-disk cache (converted GGUF
+      models); default ``~/.cache/tandem``.
+    - ``TANDEM_DIST_BACKEND`` (``dist_backend``): ``torch.distributed`` backend for tensor
+      parallelism; default ``nccl`` on CUDA, ``gloo`` on the CPU. ``gloo`` on CUDA lets
+      several ranks share one GPU (slow, for testing the TP path on one GPU).
+    - ``TANDEM_LOG_LEVEL`` (``log_level``): log level of worker processes and actors.
+    - ``TANDEM_RAY_WAIT_FOR_RESOURCES`` (``ray_wait_for_resources``): let the Ray executor
+      wait for an autoscaling cluster to grow instead of failing at once.
+    """
+
+    cache_dir: str = "~/.cache/tandem"
+    dist_backend: Optional[str] = None
+    log_level: str = "WARNING"
+    ray_wait_for_resources: bool = False
+
+    @classmethod
+    def from_environ(cls, environ: Optional[dict[str, str]] = None) -> "EnvSwitches":
+        env = os.environ if environ is None else environ
+        return cls(
+            cache_dir=env.get("TANDEM_CACHE_DIR") or cls.cache_dir,
+            dist_backend=env.get("TANDEM_DIST_BACKEND") or None,
+            log_level=(env.get("TANDEM_LOG_LEVEL") or cls.log_level).upper(),
+            ray_wait_for_resources=env.get("TANDEM_RAY_WAIT_FOR_RESOURCES", "").lower() in ("1", "true", "yes"),
+        )
+
+    @property
+    def cache_root(self) -> str:
+        return os.path.abspath(os.path.expanduser(self.cache_dir))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything about the model that the layers below the front end need (see module doc)."""
+
+    folder: str  # HF-style folder that is loaded (config.json + safetensors)
+    tokenizer: str  # tokenizer folder
+    hf_config: Any  # transformers PretrainedConfig read from ``folder``
+    dtype: str  # "float32" | "bfloat16" | "float16" (never "auto")
+    device: str  # "cpu" | "cuda" (never "auto")
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    env: EnvSwitches = field(default_factory=EnvSwitches)
+
+    @property
+    def architecture(self) -> str:
+        archs = list(getattr(self.hf_config, "architectures", None) or [])
+        return archs[0] if archs else "?"
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.hf_config.num_attention_heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(getattr(self.hf_config, "num_key_value_heads", None) or self.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(getattr(self.hf_config, "head_dim", None) or self.hf_config.hidden_size // self.num_heads)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+
+    def num_kv_heads_per_rank(self, tp: int) -> int:
+        """KV heads each tensor-parallel rank holds: split, or replicated when tp > heads."""
+        return max(1, self.num_kv_heads // tp)
+
+    def kv_block_bytes(self, block_size: int, tp: int = 1) -> int:
+        """Bytes one KV block takes on one rank (K and V, every layer)."""
+        return 2 * self.num_layers * block_size * self.num_kv_heads_per_rank(tp) * self.head_dim * self.dtype_bytes
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Refuse, before any worker starts, a model whose heads or MLP cannot split over ``tp`` ranks."""
+        if tp == 1:
+            return
+        heads, kv = self.num_heads, self.num_kv_heads
+        problems = []
+        if heads % tp:
+            problems.append(f"num_attention_heads {heads} is not divisible by it")
+        if tp < kv and kv % tp:
+            problems.append(f"num_key_value_heads {kv} is not divisible by it")
+        if tp > kv and tp % kv:
+            problems.append(f"it exceeds num_key_value_heads {kv} without being a multiple of it")
+        inter = getattr(self.hf_config, "intermediate_size", None)
+        if inter is not None and inter % tp:
+            problems.append(f"intermediate_size {inter} is not divisible by it")
+        if problems:
+            raise ValueError(f"tensor_parallel_size {tp} does not fit this model: " + "; ".join(problems))

@@ -1,0 +1,26 @@
+"""What the engine core reports per request after each step (plain data).
+
+The scheduler produces these from a step's ``ModelRunnerOutput``; the engine front end
+turns them into user-facing ``RequestOutput``s (text, stop strings, logprobs). In a server
+they cross from the engine-core process to the front end, in batches, once per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tandem.types.runner_output import SampledLogprobs
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+    logprobs: list[SampledLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[SampledLogprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    error: Optional[str] = None

@@ -1,0 +1,24 @@
+"""What a worker sends back up for one step: sampled ids and logprobs (plain data)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class SampledLogprobs:
+    """Top-n logprobs at one position: column 0 is the sampled (or prompt) token."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    step_id: int
+    req_ids: list[str]  # requests that sampled this step, in batch order
+    sampled_token_ids: list[int]
+    logprobs: Optional[list[SampledLogprobs]] = None  # aligned with req_ids, when any request asked
+    # req_id -> logprobs of prompt positions covered by this step's chunk (target = next prompt token)
+    prompt_logprobs: dict[str, list[SampledLogprobs]] = field(default_factory=dict)
