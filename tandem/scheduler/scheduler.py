@@ -44,6 +44,22 @@ class SchedulerStats:
     num_dropped_tokens: int = 0  # tokens that arrived for requests already finished
 
 
+class _StepBuilder:
+    """The step being filled by one ``schedule()`` call."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.scheduled: list[ScheduledRequest] = []
+        self.reqs: dict[str, Request] = {}
+        self.preempted: list[str] = []
+        self.num_ending = 0  # running requests whose last token is already in flight
+
+    def add(self, req: Request, sr: ScheduledRequest, n: int) -> None:
+        self.scheduled.append(sr)
+        self.reqs[req.request_id] = req
+        self.budget -= n
+
+
 class Scheduler:
     def __init__(
         self,
@@ -147,49 +163,69 @@ class Scheduler:
         return samples
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        step_reqs: dict[str, Request] = {}
-        preempted: list[str] = []
+        """Fill one step: running requests first, then waiting ones (see the module doc)."""
+        step = _StepBuilder(self.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:  # a step that had to preempt admits no one
+            self._schedule_waiting(step)
+        # Prompt tokens are real: publish their full blocks now so later requests hit them.
+        for req in step.reqs.values():
+            self.kv.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+        return self._emit(step)
 
-        # 1. Running requests, oldest first. Victims for preemption come from the tail,
-        #    which is never already scheduled in this step.
+    def _schedule_running(self, step: "_StepBuilder") -> None:
+        """Decode (or the next prefill chunk of) each running request, oldest first.
+
+        A request whose every remaining token is already in flight (``_at_end``) takes no
+        budget, no sequence slot and is never a preemption victim: in the synchronous loop it
+        would already have finished and left ``running``, so async mode schedules exactly
+        the batches sync schedules when finishes are predictable (max_tokens, max_model_len).
+        """
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.budget > 0:
             req = self.running[i]
             if self._at_end(req):
+                step.num_ending += 1
                 i += 1
-                continue  # stays running: its in-flight token(s) will finish it
-            n = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
+                continue  # stays running: its in-flight token will finish it
+            n = min(req.num_tokens_with_placeholders - req.num_computed_tokens, step.budget)
             assert n > 0, f"running request with nothing to compute: {req}"
             start = req.num_computed_tokens
-            while True:
-                new_blocks = self.kv.allocate_slots(req, n)
-                if new_blocks is not None:
-                    break
-                victim = self.running[-1]
-                self._preempt(victim, preempted)
-                if victim is req:
-                    break
+            new_blocks = self._allocate_or_preempt(req, n, step)
             if new_blocks is None:
                 break  # req itself was preempted; nothing after it is left
-            samples = self._account(req, n)
-            scheduled.append(ScheduledRequest(req.request_id, start, n, new_blocks, samples))
-            step_reqs[req.request_id] = req
-            budget -= n
+            step.add(req, ScheduledRequest(req.request_id, start, n, new_blocks, self._account(req, n)), n)
             i += 1
+        # Requests past i were not visited (budget spent): count those that are ending too.
+        step.num_ending += sum(1 for r in self.running[i:] if self._at_end(r))
 
-        # 2. Waiting requests in arrival order (not in a step that had to preempt).
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _allocate_or_preempt(self, req: Request, n: int, step: "_StepBuilder") -> Optional[list[int]]:
+        """Blocks for ``n`` more tokens of ``req``, preempting the newest running requests
+        (never one already scheduled in this step, never one that is ending) until they fit.
+        None when ``req`` itself had to go."""
+        while True:
+            new_blocks = self.kv.allocate_slots(req, n)
+            if new_blocks is not None:
+                return new_blocks
+            victim = next((r for r in reversed(self.running) if not self._at_end(r)), None)
+            if victim is None or victim.request_id in step.reqs:
+                return None  # nothing left to preempt: try again next step
+            self._preempt(victim, step.preempted)
+            if victim is req:
+                return None
+
+    def _schedule_waiting(self, step: "_StepBuilder") -> None:
+        """Admit waiting requests in arrival order while budget, slots and blocks allow."""
+        while self.waiting and step.budget > 0 and len(self.running) - step.num_ending < self.max_num_seqs:
             req = self.waiting[0]
             if req.num_inflight_steps > 0:
                 break  # preempted with a step in flight: resume once its tokens are in
             computed, num_hit = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_hit
-            if n > budget:
+            if n > step.budget:
                 if not self.enable_chunked_prefill:
                     break
-                n = budget
+                n = step.budget
             new_blocks = self.kv.allocate_slots(req, n, computed)
             if new_blocks is None:
                 break
@@ -206,21 +242,16 @@ class Scheduler:
                 eos_token_ids=req.eos_token_ids,
                 sample_seed=req.sample_seed,
             )
-            samples = self._account(req, n)
-            scheduled.append(ScheduledRequest(req.request_id, num_hit, n, new_blocks, samples, new))
-            step_reqs[req.request_id] = req
-            budget -= n
+            step.add(req, ScheduledRequest(req.request_id, num_hit, n, new_blocks, self._account(req, n), new), n)
 
-        # Prompt tokens are real: publish their full blocks now so later requests hit them.
-        for req in step_reqs.values():
-            self.kv.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
-
-        self._preempted_ids_to_send += preempted
-        out = SchedulerOutput(self._next_step_id, scheduled)
-        if scheduled:
+    def _emit(self, step: "_StepBuilder") -> SchedulerOutput:
+        """Number the step and attach the drop notices, unless nothing was scheduled."""
+        self._preempted_ids_to_send += step.preempted
+        out = SchedulerOutput(self._next_step_id, step.scheduled)
+        if step.scheduled:
             out.finished_req_ids, self._finished_ids_to_send = self._finished_ids_to_send, []
             out.preempted_req_ids, self._preempted_ids_to_send = self._preempted_ids_to_send, []
-            self._step_reqs[out.step_id] = step_reqs
+            self._step_reqs[out.step_id] = step.reqs
             self._next_step_id += 1
             self.stats.num_steps += 1
             self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
