@@ -18,6 +18,7 @@ Hence the three failure modes the overlap design is known for cannot occur here:
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from collections import deque
 from concurrent.futures import Future
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from tandem.config import EngineConfig, ModelConfig
+from tandem.engine.messages import CoreStats
 from tandem.executor import Executor, create_executor
 from tandem.scheduler.kv_cache import KVCacheManager
 from tandem.scheduler.scheduler import Scheduler
@@ -69,13 +71,36 @@ class EngineCore:
         self.depth = config.max_concurrent_batches
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self.stats = LoopStats()
+        # Arrival time of requests not scheduled yet, for the queue-time histogram. Only a
+        # serving loop reads the queue times (``make_stats``), so only it turns this on.
+        self.track_queue_times = False
+        self._arrivals: dict[str, float] = {}
+        self._queue_times: list[float] = []
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+        if self.track_queue_times:
+            self._arrivals[request.request_id] = time.monotonic()
 
     def abort_requests(self, req_ids: Iterable[str]) -> None:
+        req_ids = list(req_ids)
         self.scheduler.abort_requests(req_ids)
+        for rid in req_ids:
+            self._arrivals.pop(rid, None)
+
+    def make_stats(self, idle_seconds: float = 0.0) -> CoreStats:
+        """A snapshot for /metrics; hands over (and forgets) the queue times gathered so far."""
+        kv, sched = self.kv_cache, self.scheduler
+        queue_times, self._queue_times = self._queue_times, []
+        return CoreStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_kv_blocks=kv.num_blocks, num_free_kv_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.stats_queries, prefix_cache_hits=kv.stats_hits,
+            num_preemptions=sched.stats.num_preemptions,
+            num_steps_launched=self.stats.num_launched, num_steps_launched_ahead=self.stats.num_launched_ahead,
+            num_step_errors=self.stats.num_errors, idle_seconds=idle_seconds, queue_times=queue_times,
+        )
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
@@ -86,6 +111,8 @@ class EngineCore:
         if len(self.batch_queue) < self.depth and self.scheduler.has_unfinished_requests():
             so = self.scheduler.schedule()
             if not so.is_empty:
+                if self._arrivals:
+                    self._note_first_scheduled(so)
                 if self.batch_queue:
                     self.stats.num_launched_ahead += 1
                 self.batch_queue.append((so, self.executor.execute_model(so)))
@@ -99,6 +126,14 @@ class EngineCore:
                 f"requests ({self.kv_cache.num_free_blocks}/{self.kv_cache.num_blocks} KV blocks free)"
             )
         return []
+
+    def _note_first_scheduled(self, so: SchedulerOutput) -> None:
+        now = time.monotonic()
+        for sr in so.requests:
+            if sr.new is not None:
+                t = self._arrivals.pop(sr.req_id, None)
+                if t is not None:
+                    self._queue_times.append(now - t)
 
     def _complete_oldest(self) -> list[EngineCoreOutput]:
         so, fut = self.batch_queue.popleft()

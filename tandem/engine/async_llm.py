@@ -1,0 +1,234 @@
+"""``AsyncLLM``: the asyncio front end of a server.
+
+It validates and tokenizes requests (``InputProcessor``), detokenizes and applies stop
+strings (``OutputProcessor``) on the event loop, while the engine core runs its step loop
+elsewhere (its own process by default) behind an ``EngineCoreClient``. Adds and aborts made
+during one turn of the event loop go to the core as one message; one output-handler task
+takes the core's per-step batches and feeds each request's ``RequestStream``.
+
+A stream keeps only the newest ``RequestOutput`` (outputs are cumulative), so a slow reader
+skips intermediate states instead of queueing them. If the core dies or stops answering
+for ``hang_timeout_s``, every live request ends with an error and new ones are refused with
+``EngineDeadError``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator, Literal, Optional, Sequence
+
+from tandem.config import EngineConfig, ModelConfig
+from tandem.engine.core_client import EngineCoreClient, InprocEngineCoreClient, ProcessEngineCoreClient
+from tandem.engine.input_processor import InputProcessor
+from tandem.engine.messages import CoreInput, CoreStats, EngineDeadError
+from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.stats import StatLogger
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HANG_TIMEOUT_S = 30.0
+
+
+class RequestStream:
+    """The outputs of one request, newest first-come: an async iterator ending at ``finished``."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._latest: Optional[RequestOutput] = None
+        self._closed = False
+        self._event = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        self._latest = out
+        self._event.set()
+
+    def close(self) -> None:
+        """End the iteration after any output already delivered (the request was aborted)."""
+        self._closed = True
+        self._event.set()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while self._latest is None:
+            if self.finished or self._closed:
+                raise StopAsyncIteration
+            self._event.clear()
+            await self._event.wait()
+        out, self._latest = self._latest, None
+        if out.finished:
+            self.finished = True
+        return out
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, model_config: Optional[ModelConfig] = None, *,
+                 engine_core: Literal["process", "thread"] = "process", stat_logger: Optional[StatLogger] = None,
+                 hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> None:
+        from tandem.models.loader import load_tokenizer
+        from tandem.models.model_config import resolve_model_config
+
+        self.config = config
+        self.model_config = model_config or resolve_model_config(config)
+        self.tokenizer = load_tokenizer(self.model_config.tokenizer)
+        self.client = self._start_core(engine_core)
+        self.input_processor = InputProcessor(config, self.model_config, self.tokenizer)
+        self.input_processor.num_kv_blocks = self.client.num_kv_blocks
+        self.output_processor = OutputProcessor(self.tokenizer, config.enable_prefix_caching)
+        self.stat_logger = stat_logger
+        self.hang_timeout_s = hang_timeout_s
+        self.latest_stats = CoreStats(num_kv_blocks=self.client.num_kv_blocks,
+                                      num_free_kv_blocks=self.client.num_kv_blocks)
+        self.dead_error: Optional[str] = None
+        self._streams: dict[str, RequestStream] = {}
+        self._pending = CoreInput()
+        self._flush_scheduled = False
+        self._handler: Optional[asyncio.Task] = None
+        self._shut_down = False
+
+    def _start_core(self, kind: str) -> EngineCoreClient:
+        if kind == "thread":
+            from tandem.engine.engine_core import EngineCore
+
+            return InprocEngineCoreClient(EngineCore(self.config, self.model_config))
+        if kind == "process":
+            return ProcessEngineCoreClient(self.config, self.model_config)
+        raise ValueError(f"engine_core must be 'process' or 'thread', got {kind!r}")
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead_error is None and not self._shut_down
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                    arrival_time: Optional[float] = None) -> RequestStream:
+        """Validate and submit a request (``ValueError`` if it is bad, ``EngineDeadError`` if the
+        core is gone); iterate the returned stream for its outputs. Call on the event loop."""
+        if not self.is_running:
+            raise EngineDeadError(self.dead_error or "the engine is shut down")
+        self._ensure_handler()
+        if request_id in self.output_processor:
+            raise ValueError(f"request id {request_id!r} is already in use by a running request")
+        req = self.input_processor.process(request_id, prompt, params)
+        adds = self.output_processor.add_request(req, arrival_time)
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        self._pending.adds += adds
+        self._schedule_flush()
+        return stream
+
+    async def generate(self, request_id: str, prompt: str | Sequence[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they grow; leaving the loop early aborts the request."""
+        stream = self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks; unknown or finished ids are a no-op."""
+        core_ids = self.output_processor.abort(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.close()
+        if not core_ids:
+            return
+        # A child whose add is still waiting for the next flush is simply not sent (the core
+        # applies a message's aborts before its adds); the core hears of the rest.
+        gone = set(core_ids)
+        unsent = {r.request_id for r in self._pending.adds}
+        self._pending.adds = [r for r in self._pending.adds if r.request_id not in gone]
+        self._pending.aborts += [c for c in core_ids if c not in unsent]
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        msg, self._pending = self._pending, CoreInput()
+        if msg and self.is_running:
+            self.client.send(msg)
+
+    # -- outputs -------------------------------------------------------------------------
+    def _ensure_handler(self) -> None:
+        if self._handler is None:
+            self._handler = asyncio.get_running_loop().create_task(self._output_handler(),
+                                                                   name="tandem-output-handler")
+
+    async def _output_handler(self) -> None:
+        try:
+            while True:
+                try:
+                    batch = await asyncio.wait_for(self.client.get_output(), self.hang_timeout_s)
+                except asyncio.TimeoutError:
+                    raise EngineDeadError(f"the engine core sent nothing for {self.hang_timeout_s:.0f} s "
+                                          "(not even a heartbeat): it is hung") from None
+                if batch.fatal_error is not None:
+                    raise EngineDeadError(f"the engine core failed: {batch.fatal_error}")
+                processed = self.output_processor.process_outputs(batch.outputs)
+                for out in processed.request_outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+                        if out.finished:
+                            del self._streams[out.request_id]
+                if processed.core_aborts or processed.core_adds:
+                    self._pending.aborts += processed.core_aborts
+                    self._pending.adds += processed.core_adds
+                    self._schedule_flush()
+                self.latest_stats = batch.stats
+                if self.stat_logger is not None:
+                    self.stat_logger.record(batch.stats, processed.stats)
+                await asyncio.sleep(0)  # let the streams' readers run between batches
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if not self._shut_down:
+                self._fail_all(str(e) if isinstance(e, EngineDeadError) else f"{type(e).__name__}: {e}")
+                if not isinstance(e, EngineDeadError):
+                    logger.exception("output handler failed")
+
+    def _fail_all(self, error: str) -> None:
+        """The core is gone: every live request ends with ``error``; no new one is accepted."""
+        self.dead_error = error
+        logger.error("engine is dead, failing %d request(s): %s", len(self._streams), error)
+        for out in self.output_processor.fail_all(error):
+            stream = self._streams.pop(out.request_id, None)
+            if stream is not None:
+                stream.put(out)
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()
+        self._pending = CoreInput()
+        self.client.shutdown(timeout_s=0.0)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def shutdown(self) -> None:
+        """Abort what is still running, stop the core and its workers."""
+        if self._shut_down:
+            return
+        for rid in list(self._streams):
+            self.abort(rid)
+        self._flush()
+        self._shut_down = True
+        if self._handler is not None:
+            self._handler.cancel()
+            try:
+                await self._handler
+            except asyncio.CancelledError:
+                pass
+        await asyncio.to_thread(self.client.shutdown)

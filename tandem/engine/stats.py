@@ -1,0 +1,35 @@
+"""Front-end request statistics, gathered per output batch for a ``StatLogger`` (e.g. Prometheus).
+
+The core's own numbers (running/waiting, KV blocks, steps launched ahead, idle time) come
+in ``CoreStats`` with each batch; these are the ones only the front end can see: when a
+request arrived, when its tokens reached the caller, how it ended.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tandem.engine.messages import CoreStats
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """What one output batch did, front-end side."""
+
+    num_prompt_tokens: int = 0  # prompts whose first token arrived in this batch
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+class StatLogger(Protocol):
+    def record(self, core: CoreStats, iteration: IterationStats) -> None: ...

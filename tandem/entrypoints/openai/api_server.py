@@ -1,0 +1,191 @@
+"""The FastAPI app: routes, body parsing, auth, size limit, and errors in OpenAI's shape.
+
+Bodies are parsed by hand (JSON, then the strict pydantic model) rather than by FastAPI,
+so that every refusal, from malformed JSON to an unknown field, comes back as a 400 with
+an OpenAI error body naming the field, never as FastAPI's 422 list.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from typing import AsyncContextManager, Callable, Optional, TypeVar
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import tandem
+from tandem.engine.async_llm import AsyncLLM
+from tandem.engine.messages import EngineDeadError
+from tandem.entrypoints.openai.chat import ChatServing
+from tandem.entrypoints.openai.completions import CompletionServing
+from tandem.entrypoints.openai.errors import APIError, bad_request, error_body, from_validation_error
+from tandem.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
+from tandem.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                TokenizeRequest, refuse_unsupported)
+from tandem.entrypoints.openai.serving import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over ``max_bytes`` with 413, by Content-Length or while reading."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                return await self._too_large(send)
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise self._error()
+            return msg
+
+        await self.app(scope, limited, send)
+
+    def _error(self) -> APIError:
+        return APIError(413, f"the request body is larger than the server's limit of {self.max_bytes} bytes",
+                        code="request_too_large")
+
+    async def _too_large(self, send: Send) -> None:
+        await self._error().response()({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+class ApiKeyMiddleware:
+    """Bearer-token check on /v1/* (compared in constant time)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = APIError(401, "Incorrect or missing API key: pass it as 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+                return await err.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+async def parse_body(request: Request, model: type[M], endpoint: Optional[str] = None) -> M:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object", code="invalid_json")
+    if endpoint is not None:
+        refuse_unsupported(data, endpoint)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def build_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: PrometheusStatLogger,
+              lifespan: Optional[Callable[[FastAPI], AsyncContextManager[None]]] = None) -> FastAPI:
+    app = FastAPI(title="tandem", version=tandem.__version__, docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    completions = CompletionServing(engine, settings)
+    chat = ChatServing(engine, settings)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> Response:
+        return e.response()
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, e: EngineDeadError) -> Response:
+        return APIError(503, f"the engine is not running: {e}", code="engine_dead").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> Response:
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> Response:
+        logger.exception("unexpected error while serving a request")
+        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_running:
+            return JSONResponse({"status": "ok"})
+        return APIError(503, f"the engine is not running: {engine.dead_error or 'shut down'}",
+                        code="engine_dead").response()
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": tandem.__version__})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "tandem",
+                 "root": engine.config.model or name, "max_model_len": engine.max_model_len}
+                for name in settings.served_model_names]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        return await completions.create(await parse_body(request, CompletionRequest, "completions"), request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        return await chat.create(await parse_body(request, ChatCompletionRequest, "chat"), request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = await parse_body(request, TokenizeRequest)
+        completions.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+        if req.messages is not None:
+            chat_req = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
+            ids = chat.prompt_ids(chat_req)
+        else:
+            ids = engine.input_processor.tokenize(req.prompt or "", add_special_tokens=req.add_special_tokens)
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = await parse_body(request, DetokenizeRequest)
+        completions.check_model(req.model)
+        vocab = engine.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token ids must be in [0, {vocab}), got {bad[0]}", "tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    return app

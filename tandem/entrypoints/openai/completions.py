@@ -1,0 +1,89 @@
+"""``POST /v1/completions``: prompts (texts or token ids) in, choices out, streamed or not."""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tandem.entrypoints.openai.protocol import CompletionRequest
+from tandem.entrypoints.openai.serving import (SSE_DONE, ChoiceTracker, OpenAIServing, created, sse,
+                                               usage)
+from tandem.outputs import CompletionOutput, RequestOutput
+
+# Completions default to 16 tokens (OpenAI's default for this endpoint).
+_DEFAULT_MAX_TOKENS = 16
+
+
+def completion_logprobs(c: CompletionOutput, start: int, end: int, text_offset: int) -> Optional[dict[str, Any]]:
+    """OpenAI's legacy logprobs object for tokens ``start:end`` of a choice."""
+    if c.logprobs is None:
+        return None
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for tid, pos in zip(c.token_ids[start:end], c.logprobs[start:end]):
+        chosen = pos[tid]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(chosen.logprob)
+        tops.append({lp.decoded_token or "": lp.logprob for lp in pos.values()})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+class CompletionServing(OpenAIServing):
+    async def create(self, req: CompletionRequest, request: Request) -> Response:
+        prompts = req.prompt
+        self.check_common(req, len(prompts))
+        ids_list = [self.engine.input_processor.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
+        params = [self.sampling_params(req, self.max_tokens(req.max_tokens, len(ids), _DEFAULT_MAX_TOKENS),
+                                       req.logprobs) for ids in ids_list]
+        request_id, streams = self.start("cmpl", ids_list, params)
+        prompt_lens = [len(ids) for ids in ids_list]
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            return self.stream_response(self._stream(request_id, req.n, prompt_lens, streams, include_usage), streams)
+        outputs = await self.collect(request, streams)
+        if outputs is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        error = self.failed(outputs)
+        if error is not None:
+            return self.error_response(error)
+        choices = [self._choice(i * req.n + c.index, c, 0, len(c.token_ids))
+                   for i, o in enumerate(outputs) for c in o.outputs]
+        return JSONResponse({"id": request_id, "object": "text_completion", "created": created(),
+                             "model": self.model_name, "choices": choices,
+                             "usage": usage(prompt_lens, outputs)})
+
+    @staticmethod
+    def _choice(index: int, c: CompletionOutput, start: int, end: int, text: Optional[str] = None,
+                text_offset: int = 0) -> dict[str, Any]:
+        return {"index": index, "text": c.text if text is None else text,
+                "logprobs": completion_logprobs(c, start, end, text_offset),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    async def _stream(self, request_id: str, n: int, prompt_lens: list[int], streams: list,
+                      include_usage: bool) -> AsyncIterator[str]:
+        tracker = ChoiceTracker(len(streams) * n)
+        finals: dict[int, RequestOutput] = {}
+        head = {"id": request_id, "object": "text_completion", "created": created(), "model": self.model_name}
+        async for i, out in self.merged(streams):
+            if out.error is not None:
+                yield self.error_event(out.error)
+                yield SSE_DONE
+                return
+            choices = []
+            for c in out.outputs:
+                index = i * n + c.index
+                offset = tracker.text_sent[index]
+                d = tracker.delta(index, c)
+                if d is not None:
+                    text, start, end = d
+                    choices.append(self._choice(index, c, start, end, text, offset))
+            if choices:
+                yield sse({**head, "choices": choices})
+            if out.finished:
+                finals[i] = out
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(prompt_lens, list(finals.values()))})
+        yield SSE_DONE

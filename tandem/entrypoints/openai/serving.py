@@ -1,0 +1,243 @@
+"""What the completion and chat endpoints share: turning a request into engine requests,
+collecting or streaming their outputs, aborting them when the client goes away.
+
+A request with several prompts becomes one engine request per prompt (each may have
+``n`` children); choice ``i * n + j`` is child ``j`` of prompt ``i``. Outputs are cumulative,
+so a stream sends each choice the text it has not sent yet; a stream's text therefore
+concatenates to exactly the non-streamed text.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional, Sequence
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from tandem.engine.async_llm import AsyncLLM, RequestStream
+from tandem.engine.messages import EngineDeadError
+from tandem.entrypoints.openai.errors import APIError, bad_request, error_body
+from tandem.entrypoints.openai.protocol import _SamplingRequest
+from tandem.outputs import CompletionOutput, RequestOutput
+from tandem.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    api_key: Optional[str] = None
+    max_n: int = 16  # most choices per prompt
+    max_prompts: int = 64  # most prompts in one completion request
+    max_body_bytes: int = 4 << 20
+    chat_template: Optional[str] = None
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns once the client has gone (the body has been read, so only a disconnect comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def usage(prompt_lens: Sequence[int], outputs: Sequence[RequestOutput]) -> dict[str, int]:
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    prompt = sum(prompt_lens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.model_name = settings.served_model_names[0]
+
+    # -- checks --------------------------------------------------------------------------
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model not in self.settings.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    def check_common(self, req: _SamplingRequest, num_prompts: int) -> None:
+        self.check_model(req.model)
+        if req.n > self.settings.max_n:
+            raise bad_request(f"n must be at most {self.settings.max_n}, got {req.n}", "n")
+        if num_prompts > self.settings.max_prompts:
+            raise bad_request(f"at most {self.settings.max_prompts} prompts per request, got {num_prompts}", "prompt")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if not self.engine.is_running:
+            raise APIError(503, f"the engine is not running: {self.engine.dead_error or 'shut down'}",
+                           code="engine_dead")
+
+    def max_tokens(self, requested: Optional[int], num_prompt_tokens: int, default: Optional[int],
+                   param: str = "max_tokens") -> Optional[int]:
+        """The output budget; a prompt plus an explicit budget over the context is a 400."""
+        limit = self.engine.max_model_len
+        if num_prompt_tokens >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                              f"{num_prompt_tokens} tokens; it must leave room for at least one output token.",
+                              "prompt" if param == "max_tokens" else "messages", "context_length_exceeded")
+        if requested is not None and num_prompt_tokens + requested > limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, "
+                              f"{requested} in the completion). Please reduce the prompt or the completion.",
+                              param, "context_length_exceeded")
+        if requested is not None:
+            return requested
+        return None if default is None else min(default, limit - num_prompt_tokens)
+
+    @staticmethod
+    def sampling_params(req: _SamplingRequest, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        kw: dict[str, Any] = dict(
+            n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed, ignore_eos=req.ignore_eos,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            stop_token_ids=list(req.stop_token_ids or []), logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+        )
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(req, name)
+            if value is not None:
+                kw[name] = value
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    # -- running -------------------------------------------------------------------------
+    def start(self, prefix: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
+              ) -> tuple[str, list[RequestStream]]:
+        """Submit one engine request per prompt; all or none (a refusal aborts the ones added)."""
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        streams: list[RequestStream] = []
+        try:
+            for i, (ids, sp) in enumerate(zip(prompts, params)):
+                streams.append(self.engine.add_request(f"{request_id}-{i}", ids, sp))
+        except (ValueError, EngineDeadError) as e:
+            for s in streams:
+                self.engine.abort(s.request_id)
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, f"the engine is not running: {e}", code="engine_dead") from None
+            raise bad_request(str(e)) from None
+        return request_id, streams
+
+    def abort(self, streams: Sequence[RequestStream]) -> None:
+        for s in streams:
+            if not s.finished:
+                self.engine.abort(s.request_id)
+
+    async def collect(self, request: Request, streams: list[RequestStream]) -> Optional[list[RequestOutput]]:
+        """Every request's final output; None (and everything aborted) if the client left first."""
+        async def last(stream: RequestStream) -> RequestOutput:
+            out: Optional[RequestOutput] = None
+            async for out in stream:
+                pass
+            if out is None or not out.finished:
+                raise EngineDeadError("the request ended without a final output")
+            return out
+
+        results = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+        gone = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not results.done():
+                results.cancel()
+                self.abort(streams)
+            gone.cancel()
+        if results.cancelled():
+            return None
+        return results.result()
+
+    @staticmethod
+    async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from every stream as they come."""
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, Optional[RequestOutput]]] = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, out = await queue.get()
+                if out is None:
+                    remaining -= 1
+                else:
+                    yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def stream_response(self, body: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
+        async def guarded() -> AsyncIterator[str]:
+            try:
+                async for chunk in body:
+                    yield chunk
+            finally:  # the client went away (the task is cancelled) or the stream ended
+                self.abort(streams)
+
+        return StreamingResponse(guarded(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @staticmethod
+    def failed(outputs: Sequence[RequestOutput]) -> Optional[str]:
+        for o in outputs:
+            if o.error is not None or any(c.finish_reason == "error" for c in o.outputs):
+                return o.error or "the request failed in the engine"
+        return None
+
+    @staticmethod
+    def error_response(message: str) -> JSONResponse:
+        return JSONResponse(error_body(500, message, code="engine_error"), status_code=500)
+
+    @staticmethod
+    def error_event(message: str) -> str:
+        return sse(error_body(500, message, code="engine_error"))
+
+
+def created() -> int:
+    return int(time.time())
+
+
+class ChoiceTracker:
+    """Per choice of a streamed response: how much text and how many tokens were sent."""
+
+    def __init__(self, num_choices: int) -> None:
+        self.text_sent = [0] * num_choices
+        self.tokens_sent = [0] * num_choices
+        self.done = [False] * num_choices
+
+    def delta(self, index: int, c: CompletionOutput) -> Optional[tuple[str, int, int]]:
+        """(new text, first new token, end token) for choice ``index``, or None if nothing new."""
+        if self.done[index]:
+            return None
+        text = c.text[self.text_sent[index]:]
+        start, end = self.tokens_sent[index], len(c.token_ids)
+        if not text and start == end and c.finish_reason is None:
+            return None
+        self.text_sent[index] = len(c.text)
+        self.tokens_sent[index] = end
+        self.done[index] = c.finish_reason is not None
+        return text, start, end
