@@ -1,24 +1,32 @@
-"""Attention over the paged KV cache.
+"""Attention over the paged KV cache, with two backends chosen by one setting.
 
 The model runner flattens every scheduled token of every request into one batch with no
-padding. Each attention layer writes this step's keys/values into the paged cache by slot
-(``slot = block_id * block_size + offset``) and then attends over each sequence's cached
-context through its block table. Per-step metadata arrives through a forward context set
-by the model runner, so model code stays free of scheduling concepts.
+padding (CUDA-graph decode pads the batch, with padding sequences of length 0). Each
+attention layer writes this step's keys/values into the paged cache by slot
+(``slot = block_id * block_size + offset``; a negative slot is padding and is skipped) and
+then attends over each sequence's cached context through its block table. Per-step
+metadata arrives through a forward context set by the model runner, so model code stays
+free of scheduling concepts.
 
-The CPU path uses torch SDPA: decode tokens (one query per sequence) are batched into one
-padded SDPA call; prefill chunks run per sequence. A Triton paged-attention kernel is the
-GPU fast path (``tandem.kernels``, when present).
+Backends (``EngineConfig.attention_backend``):
+* ``triton`` — ``tandem.kernels.paged_attention``: one launch per layer for the whole batch
+  (prefill, chunked prefill over a cached prefix, and decode with GQA and split-KV),
+  graph-capturable; the GPU fast path.
+* ``sdpa`` — torch SDPA: decode tokens (one query per sequence) batched into one padded
+  call, prefill chunks per sequence. The CPU path and the fallback where Triton is absent.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+BACKENDS = ("sdpa", "triton")
 
 
 def _deterministic(device: torch.device) -> contextlib.AbstractContextManager:
@@ -36,20 +44,24 @@ class AttentionMetadata:
 
     Sequences appear in batch order; sequence ``i`` owns query tokens
     ``query_start_loc[i]:query_start_loc[i+1]`` and, after this step, has ``seq_lens[i]``
-    tokens of context (its cached prefix plus this step's tokens).
+    tokens of context (its cached prefix plus this step's tokens). Device tensors serve the
+    kernels; the host arrays serve the SDPA backend's per-sequence loop (and are None when
+    a CUDA graph replays, which only the Triton backend does).
     """
 
-    slot_mapping: torch.Tensor  # [T] int64, on device
-    block_tables: torch.Tensor  # [B, max_blocks] int64, on device (padded with 0)
-    query_start_loc: list[int]  # [B + 1], host
-    seq_lens: list[int]  # [B], host
+    slot_mapping: torch.Tensor  # [T] int64 on the device; < 0 = padding token
+    query_start_loc: torch.Tensor  # [B + 1] int32 on the device
+    seq_lens: torch.Tensor  # [B] int32 on the device
+    block_tables: torch.Tensor  # [B, max_blocks] int32 on the device
     block_size: int
-    # Precomputed split of the batch, so each layer does not recompute it.
-    decode_seqs: list[int]  # sequences with exactly one query token
-    prefill_seqs: list[int]  # the others
-    decode_seq_lens: Optional[torch.Tensor] = None  # [num_decode] int64 on device
-    decode_block_tables: Optional[torch.Tensor] = None  # [num_decode, max_blocks]
-    decode_token_idx: Optional[torch.Tensor] = None  # [num_decode] token index of each decode query
+    max_query_len: int
+    max_seq_len: int
+    backend: str = "sdpa"
+    num_kv_splits: int = 1  # Triton decode: split the key range for long contexts
+    query_start_loc_host: Optional[np.ndarray] = None
+    seq_lens_host: Optional[np.ndarray] = None
+    _sdpa_decode: Optional[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default=None, repr=False)
 
     @staticmethod
     def build(
@@ -58,34 +70,33 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str,
+        backend: str = "sdpa",
     ) -> "AttentionMetadata":
-        """Build metadata from per-sequence host lists (the model runner and tests use this)."""
-        qsl = [0]
-        slots: list[int] = []
-        for q, s, bt in zip(query_lens, seq_lens, block_tables):
-            qsl.append(qsl[-1] + q)
-            for pos in range(s - q, s):
-                slots.append(bt[pos // block_size] * block_size + pos % block_size)
-        width = max((len(b) for b in block_tables), default=1) or 1
-        bt_pad = [b + [0] * (width - len(b)) for b in block_tables]
-        decode = [i for i, q in enumerate(query_lens) if q == 1]
-        prefill = [i for i, q in enumerate(query_lens) if q != 1]
+        """Build metadata from per-sequence host lists (tests and tools; the model runner
+        builds it from its staged arrays)."""
         dev = torch.device(device)
-        bt_t = torch.tensor(bt_pad, dtype=torch.int64).to(dev, non_blocking=True)
-        md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            block_tables=bt_t,
-            query_start_loc=qsl,
-            seq_lens=list(seq_lens),
+        qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=qsl[1:])
+        sl = np.asarray(seq_lens, dtype=np.int32)
+        width = max((len(b) for b in block_tables), default=1) or 1
+        bt = np.zeros((len(block_tables), width), dtype=np.int32)
+        for i, b in enumerate(block_tables):
+            bt[i, :len(b)] = b
+        pos = np.concatenate([np.arange(s - q, s) for q, s in zip(query_lens, seq_lens)] or [np.zeros(0, int)])
+        seq_of = np.repeat(np.arange(len(query_lens)), query_lens)
+        slots = bt[seq_of, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        return AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            seq_lens=torch.from_numpy(sl).to(dev),
+            block_tables=torch.from_numpy(bt).to(dev),
             block_size=block_size,
-            decode_seqs=decode,
-            prefill_seqs=prefill,
+            max_query_len=int(max(query_lens, default=0)),
+            max_seq_len=int(max(seq_lens, default=0)),
+            backend=backend,
+            query_start_loc_host=qsl,
+            seq_lens_host=sl,
         )
-        if decode:
-            md.decode_seq_lens = torch.tensor([seq_lens[i] for i in decode], dtype=torch.int64).to(dev)
-            md.decode_block_tables = bt_t[torch.tensor(decode, dtype=torch.int64).to(dev)]
-            md.decode_token_idx = torch.tensor([qsl[i] for i in decode], dtype=torch.int64).to(dev)
-        return md
 
 
 @dataclass
@@ -113,6 +124,26 @@ def set_forward_context(
 
 def get_forward_context() -> Optional[ForwardContext]:
     return _CONTEXT
+
+
+def triton_available() -> bool:
+    """Whether the Triton backend can run here (Triton installed, a CUDA device)."""
+    if not torch.cuda.is_available():
+        return False
+    from tandem.kernels import HAS_TRITON
+
+    return HAS_TRITON
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """``auto``: Triton on CUDA when it is installed, else SDPA."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "sdpa"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; one of auto, {', '.join(BACKENDS)}")
+    if name == "triton" and device.type == "cuda" and not triton_available():
+        raise ValueError("attention_backend='triton' needs the triton package")
+    return name
 
 
 class Attention(torch.nn.Module):
@@ -153,26 +184,51 @@ class Attention(torch.nn.Module):
         if md is None:
             out = self._causal(q, k, v)
             return out.reshape(T, self.num_heads * self.head_dim)
+        kv = ctx.kv_caches[self.layer_idx]  # type: ignore[union-attr]
+        if md.backend == "triton":
+            out = self._triton(q, k, v, kv, md)
+        else:
+            out = self._sdpa_paged(q, k, v, kv, md)
+        return out.reshape(T, self.num_heads * self.head_dim)
 
-        kv = ctx.kv_caches[self.layer_idx]
+    # -- Triton ------------------------------------------------------------------
+    def _triton(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                md: AttentionMetadata) -> torch.Tensor:
+        from tandem.kernels import paged_attention, write_kv_cache
+
+        write_kv_cache(k, v, kv, md.slot_mapping)
+        out = torch.empty_like(q)
+        paged_attention(q, kv, out, query_start_loc=md.query_start_loc, seq_lens=md.seq_lens,
+                        block_tables=md.block_tables, max_query_len=md.max_query_len,
+                        max_seq_len=md.max_seq_len, scale=self.scale, sliding_window=self.sliding_window,
+                        num_kv_splits=md.num_kv_splits)
+        return out
+
+    # -- SDPA --------------------------------------------------------------------
+    def _sdpa_paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                    md: AttentionMetadata) -> torch.Tensor:
+        assert md.query_start_loc_host is not None and md.seq_lens_host is not None, \
+            "the SDPA backend needs host metadata (it cannot run inside a CUDA graph)"
         k_cache = kv[0].view(-1, self.num_kv_heads, self.head_dim)
         v_cache = kv[1].view(-1, self.num_kv_heads, self.head_dim)
         k_cache.index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
 
         out = torch.empty_like(q)
-        if md.decode_seqs:
+        qsl, seq_lens = md.query_start_loc_host, md.seq_lens_host
+        q_lens = qsl[1:] - qsl[:-1]
+        if (q_lens == 1).any():
             self._decode(q, kv, md, out)
-        for i in md.prefill_seqs:
-            start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
-            seq_len = md.seq_lens[i]
+        for i in np.flatnonzero(q_lens != 1).tolist():
+            start, end = int(qsl[i]), int(qsl[i + 1])
+            seq_len = int(seq_lens[i])
             q_len = end - start
             if q_len == seq_len:
                 # Nothing cached before this chunk: attend to this step's k/v directly.
                 out[start:end] = self._causal(q[start:end], k[start:end], v[start:end])
                 continue
             nblk = (seq_len + md.block_size - 1) // md.block_size
-            blocks = md.block_tables[i, :nblk]
+            blocks = md.block_tables[i, :nblk].long()
             ks = kv[0][blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
             vs = kv[1][blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
@@ -181,9 +237,8 @@ class Attention(torch.nn.Module):
             if self.sliding_window is not None:
                 mask &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
             out[start:end] = self._sdpa(q[start:end], ks.to(q.dtype), vs.to(q.dtype), mask)
-        return out.reshape(T, self.num_heads * self.head_dim)
+        return out
 
-    # -- helpers -----------------------------------------------------------------
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
               causal: bool = False) -> torch.Tensor:
         """q [Lq, H, D], k/v [Lk, KVH, D] -> [Lq, H, D]."""
@@ -206,23 +261,36 @@ class Attention(torch.nn.Module):
             return self._sdpa(q, k, v, mask)
         return self._sdpa(q, k, v, None, causal=True)
 
+    @staticmethod
+    def _decode_plan(md: AttentionMetadata) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The single-query sequences, computed once per step and shared by every layer."""
+        if md._sdpa_decode is None:
+            assert md.query_start_loc_host is not None and md.seq_lens_host is not None
+            qsl = md.query_start_loc_host
+            decode = np.flatnonzero((qsl[1:] - qsl[:-1]) == 1)
+            dev = md.block_tables.device
+            idx = torch.from_numpy(decode).to(dev)
+            lens = torch.from_numpy(md.seq_lens_host[decode].astype(np.int64)).to(dev)
+            tok = torch.from_numpy(qsl[decode].astype(np.int64)).to(dev)
+            md._sdpa_decode = (decode.tolist(), lens, md.block_tables[idx].long(), tok)
+        return md._sdpa_decode
+
     def _decode(self, q: torch.Tensor, kv: torch.Tensor, md: AttentionMetadata, out: torch.Tensor) -> None:
         """All single-query sequences in one padded SDPA call over their gathered blocks."""
-        assert md.decode_block_tables is not None and md.decode_seq_lens is not None
-        assert md.decode_token_idx is not None
-        bt = md.decode_block_tables  # [Bd, W]
+        decode, lens_t, bt, tok_idx = self._decode_plan(md)
+        assert md.seq_lens_host is not None
         bd, width = bt.shape
-        max_len = max(md.seq_lens[i] for i in md.decode_seqs)
+        max_len = int(md.seq_lens_host[decode].max())
         nblk = min(width, (max_len + md.block_size - 1) // md.block_size)
         bt = bt[:, :nblk]
         ks = kv[0][bt].reshape(bd, nblk * md.block_size, self.num_kv_heads, self.head_dim)
         vs = kv[1][bt].reshape(bd, nblk * md.block_size, self.num_kv_heads, self.head_dim)
         k_pos = torch.arange(nblk * md.block_size, device=q.device)
-        lens = md.decode_seq_lens[:, None]
+        lens = lens_t[:, None]
         mask = k_pos[None, :] < lens  # [Bd, L]
         if self.sliding_window is not None:
             mask &= k_pos[None, :] >= lens - self.sliding_window
-        qd = q[md.decode_token_idx]  # [Bd, H, D]
+        qd = q[tok_idx]  # [Bd, H, D]
         with _deterministic(q.device):
             o = F.scaled_dot_product_attention(
                 qd.unsqueeze(2),  # [Bd, H, 1, D]
@@ -232,4 +300,4 @@ class Attention(torch.nn.Module):
                 scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )
-        out[md.decode_token_idx] = o.squeeze(2)
+        out[tok_idx] = o.squeeze(2)

@@ -2,8 +2,13 @@
 
 One forward pass turns a batch of next-token logits into sampled token ids (and,
 optionally, logprobs). Everything is batched tensor work so it runs the same on CPU and
-CUDA without per-row host syncs; the only host->device traffic is the small index list
-for ``min_tokens_mask`` and the per-row draws for seeded rows.
+CUDA without host syncs; every per-row setting arrives as a device tensor (the model
+runner stages them all in its one host-to-device copy per step).
+
+Seeded requests get noise that is a pure function of ``(seed, output index, token id)``,
+computed on the device by a counter-based hash (splitmix64): no ``torch.Generator`` per
+request, and a request's draws do not depend on the batch it is in, on preemption or on
+async scheduling.
 
 Order of operations (as in vLLM v1):
     raw logprobs -> min_tokens mask -> penalties -> greedy argmax
@@ -12,6 +17,8 @@ Order of operations (as in vLLM v1):
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from typing import Optional
 
 import torch
 
@@ -35,9 +42,14 @@ class SamplingMetadata:
     presence_penalty: torch.Tensor | None  # [B] float32
     prompt_token_ids: torch.Tensor | None  # [B, P] int64, padded with vocab_size
     output_token_ids: torch.Tensor | None  # [B, O] int64, padded with vocab_size
-    generators: dict[int, torch.Generator]  # row index -> generator for seeded rows
-    min_tokens_mask: list[tuple[int, list[int]]]  # (row, token ids to forbid)
     max_num_logprobs: int | None  # None: no logprobs wanted; else top-n to return (n may be 0)
+    # Seeded rows: their indices, seeds and the output index of the token being sampled.
+    seeded_rows: torch.Tensor | None = None  # [S] int64
+    seeds: torch.Tensor | None = None  # [S] int64
+    output_index: torch.Tensor | None = None  # [S] int64
+    # min_tokens: (row, token id) pairs to forbid, for rows that have not reached min_tokens.
+    min_tokens_rows: torch.Tensor | None = None  # [M] int64
+    min_tokens_cols: torch.Tensor | None = None  # [M] int64
 
 
 @dataclass
@@ -69,7 +81,8 @@ class Sampler(torch.nn.Module):
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
-        logits = apply_min_tokens_mask(logits, metadata.min_tokens_mask)
+        if metadata.min_tokens_rows is not None:
+            logits = apply_min_tokens_mask(logits, metadata.min_tokens_rows, metadata.min_tokens_cols)
 
         if metadata.repetition_penalty is not None:
             logits = apply_penalties(
@@ -110,32 +123,17 @@ class Sampler(torch.nn.Module):
             logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
 
         probs = torch.softmax(logits, dim=-1)
-        random = random_sample(probs, metadata.generators)
+        random = random_sample(probs, metadata)
 
         if greedy is None:
             return random
         return torch.where(is_greedy, greedy, random)
 
 
-def apply_min_tokens_mask(
-    logits: torch.Tensor, min_tokens_mask: list[tuple[int, list[int]]]
-) -> torch.Tensor:
-    """Forbid stop/EOS tokens for rows that have not yet produced ``min_tokens``.
-
-    One index_put for the whole batch; the (small) index lists are built on the host.
-    """
-    rows: list[int] = []
-    cols: list[int] = []
-    for row, token_ids in min_tokens_mask:
-        rows.extend([row] * len(token_ids))
-        cols.extend(token_ids)
-    if not rows:
-        return logits
-    device = logits.device
-    row_idx = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
-    col_idx = torch.tensor(cols, dtype=torch.long).to(device, non_blocking=True)
+def apply_min_tokens_mask(logits: torch.Tensor, rows: torch.Tensor, cols: Optional[torch.Tensor]) -> torch.Tensor:
+    """Forbid stop/EOS tokens for rows that have not yet produced ``min_tokens``."""
     logits = logits.clone()
-    logits[row_idx, col_idx] = float("-inf")
+    logits[rows, cols] = float("-inf")
     return logits
 
 
@@ -223,21 +221,52 @@ def apply_top_k_top_p(
     return logits_sort.scatter(dim=-1, index=logits_idx, src=logits_sort)
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def random_sample(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Exponential race: argmax(probs / q), q ~ Exp(1) iid, which samples from ``probs``.
 
-    Unlike torch.multinomial it needs no device sync, and each row's noise is an
-    independent draw, so seeded rows use their own generator and their result does not
-    depend on the other rows of the batch or on their position in it.
+    Unlike torch.multinomial it needs no device sync. Unseeded rows draw from the default
+    generator in one batched call; seeded rows get ``seeded_exponential`` noise instead.
     """
     q = torch.empty_like(probs)
-    if len(generators) != probs.shape[0]:
-        # One batched draw from the default RNG for the unseeded rows; seeded rows are
-        # overwritten below.
+    seeded = metadata.seeded_rows
+    num_seeded = 0 if seeded is None else seeded.shape[0]
+    if num_seeded < probs.shape[0]:
         q.exponential_()
-    for i, generator in generators.items():
-        q[i].exponential_(generator=generator)
+    if seeded is not None and num_seeded:
+        assert metadata.seeds is not None and metadata.output_index is not None
+        q[seeded] = seeded_exponential(metadata.seeds, metadata.output_index, probs.shape[1]).to(q.dtype)
     return probs.div(q).argmax(dim=-1).view(-1)
+
+
+# splitmix64 constants as signed int64 (torch has no uint64 arithmetic).
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer; int64 multiplication wraps modulo 2**64 like uint64."""
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def seeded_exponential(seeds: torch.Tensor, output_index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[S, vocab] float32 Exp(1) noise, a pure function of (seed, output index, token id).
+
+    A 24-bit uniform per element (resolution 6e-8, so the largest draw is about 16.6)
+    is plenty for sampling; the hash is splitmix64 over a counter, as in counter-based RNGs.
+    """
+    key = _mix64(_mix64(seeds.to(torch.int64) + _GOLDEN) ^ (output_index.to(torch.int64) * _MIX1 + 1))
+    cols = torch.arange(1, vocab + 1, dtype=torch.int64, device=key.device)
+    z = _mix64(key[:, None] + cols[None, :] * _GOLDEN)
+    u = (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u)
 
 
 def gather_logprobs(

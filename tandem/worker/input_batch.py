@@ -1,24 +1,31 @@
-"""The worker's persistent per-request state and the device-side token table.
+"""The worker's persistent per-request state: host arrays, one row per request, and the
+device-side token table.
 
-Every request the worker knows owns one *row* of ``token_table`` (``[rows, max_model_len+1]``
-on the device) for as long as it lives on the worker. Prompt tokens are written there when
-the request arrives; each sampled token is scattered there on the device by the step that
-sampled it. Step inputs are then *gathered* from the table by ``(row, position)``.
+Every request the worker knows owns one *row* for as long as it lives on the worker:
 
-That one mechanism gives async scheduling its device-side token feed: step N+1's decode
-input at position ``p`` is whatever step N wrote at ``p`` — no host round trip, and correct
-whatever order the batch is in, because rows are stable while batch order is not. The
-penalties read the same table, so they see exactly the tokens the sync engine would.
+* ``token_table`` (device, ``[rows, max_model_len + 1]``): the request's tokens by
+  position. Prompt tokens are written when the request arrives; each sampled token is
+  scattered there on the device by the step that sampled it. Step inputs are *gathered*
+  from the table by ``(row, position)``. That one mechanism is async scheduling's
+  device-side token feed: step N+1's decode input at position ``p`` is whatever step N
+  wrote at ``p`` — no host round trip, and correct whatever order the batch is in, because
+  rows are stable while batch order is not. The penalties read the same table.
+* numpy arrays indexed by row (host): the block table, the prompt length and every
+  sampling parameter. A step gathers what it needs with numpy fancy indexing, so building
+  its inputs costs a few vectorized operations, not a Python loop per token.
+* ``block_table_device`` (device, ``[rows, max_blocks]``): the device mirror of the block
+  table, updated incrementally (only new block ids travel), gathered per step on the device.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
-from tandem.types.scheduler_output import NewRequestData
 from tandem.sampling_params import SamplingParams
+from tandem.types.scheduler_output import NewRequestData
 
 
 @dataclass
@@ -29,35 +36,79 @@ class CachedRequestState:
     sampling_params: SamplingParams
     eos_token_ids: list[int]
     sample_seed: Optional[int]
-    block_ids: list[int] = field(default_factory=list)
+    num_blocks: int = 0
 
 
 class InputBatch:
-    def __init__(self, max_rows: int, max_model_len: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, max_model_len: int, block_size: int, device: torch.device) -> None:
         self.max_rows = max_rows
         self.width = max_model_len + 1  # room for the token sampled at the last position
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size)
         self.device = device
         self.token_table = torch.zeros(max_rows, self.width, dtype=torch.int64, device=device)
+        self.block_table_device = torch.zeros(max_rows, self.max_blocks, dtype=torch.int32, device=device)
         self.free_rows = list(range(max_rows - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
 
+        self.block_table = np.zeros((max_rows, self.max_blocks), dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_rows, dtype=np.int32)
+        # Sampling parameters by row (what the sampler needs as tensors).
+        self.temperature = np.zeros(max_rows, dtype=np.float32)  # 0 = greedy
+        self.top_k = np.zeros(max_rows, dtype=np.int32)  # <= 0: off
+        self.top_p = np.ones(max_rows, dtype=np.float32)
+        self.min_p = np.zeros(max_rows, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_rows, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_rows, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_rows, dtype=np.float32)
+        self.uses_penalties = np.zeros(max_rows, dtype=bool)
+        self.seed = np.zeros(max_rows, dtype=np.int64)
+        self.seeded = np.zeros(max_rows, dtype=bool)
+        self.min_tokens = np.zeros(max_rows, dtype=np.int32)
+        self.num_logprobs = np.full(max_rows, -1, dtype=np.int32)  # -1: none wanted
+
+        # Work for the next step's single upload: (row, first position, token ids) of new
+        # requests' known tokens, and (row, first column, block ids) of new blocks.
+        self.pending_tokens: list[tuple[int, list[int]]] = []
+        self.pending_blocks: list[tuple[int, int, list[int]]] = []
+
+    # -- lifecycle -----------------------------------------------------------------------
     def add(self, req_id: str, data: NewRequestData, block_ids: list[int]) -> CachedRequestState:
         if req_id in self.requests:  # a resumed request replaces stale state, if any
             self.remove(req_id)
         if not self.free_rows:
             raise RuntimeError(f"input batch is full ({self.max_rows} rows)")
+        if len(data.token_ids) > self.width:
+            raise ValueError(f"request {req_id} has {len(data.token_ids)} tokens, more than max_model_len")
         row = self.free_rows.pop()
-        n = len(data.token_ids)
-        if n > self.width:
-            raise ValueError(f"request {req_id} has {n} tokens, more than max_model_len")
-        tokens = torch.tensor(data.token_ids, dtype=torch.int64)
-        if self.device.type == "cuda":
-            tokens = tokens.pin_memory()
-        self.token_table[row, :n].copy_(tokens, non_blocking=True)
-        state = CachedRequestState(req_id, row, data.num_prompt_tokens, data.sampling_params,
-                                   data.eos_token_ids, data.sample_seed, list(block_ids))
+        sp = data.sampling_params
+        state = CachedRequestState(req_id, row, data.num_prompt_tokens, sp, data.eos_token_ids, data.sample_seed)
         self.requests[req_id] = state
+        self.num_prompt_tokens[row] = data.num_prompt_tokens
+        self.temperature[row] = 0.0 if sp.greedy else sp.temperature
+        self.top_k[row] = sp.top_k
+        self.top_p[row] = sp.top_p
+        self.min_p[row] = sp.min_p
+        self.repetition_penalty[row] = sp.repetition_penalty
+        self.frequency_penalty[row] = sp.frequency_penalty
+        self.presence_penalty[row] = sp.presence_penalty
+        self.uses_penalties[row] = sp.uses_penalties
+        self.seeded[row] = data.sample_seed is not None and not sp.greedy
+        self.seed[row] = data.sample_seed or 0
+        self.min_tokens[row] = sp.min_tokens
+        self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+        self.pending_tokens.append((row, list(data.token_ids)))
+        self.append_blocks(state, block_ids)
         return state
+
+    def append_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        n0 = state.num_blocks
+        n1 = n0 + len(block_ids)
+        self.block_table[state.row, n0:n1] = block_ids
+        state.num_blocks = n1
+        self.pending_blocks.append((state.row, n0, block_ids))
 
     def remove(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)

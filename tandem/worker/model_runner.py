@@ -1,40 +1,75 @@
 """Turns a ``SchedulerOutput`` into one forward pass + sampling, without waiting for it.
 
-``execute_model`` updates the persistent batch, gathers inputs from the device-side token
-table, launches the model and the sampler, scatters the sampled ids back into the table
-(so the next step can read them on the device), and returns an ``AsyncModelOutput``. The
-host copy of the sampled ids (and logprobs) runs on a side CUDA stream into pinned memory;
-``AsyncModelOutput.get()`` waits on that copy's event only when the engine needs the tokens.
-On the CPU there is no stream: the same object simply holds finished tensors.
+One step, in order (all on the compute stream; the host never waits for the device):
+
+1. ``_update_states``: apply the scheduler's delta to the persistent ``InputBatch`` (drop
+   finished/preempted requests, add new ones, append new block ids) and collect each
+   scheduled request's row, first position, token count and whether it samples.
+2. ``_stage``: build every input with numpy — token-table gather indices, positions, slot
+   mapping, sequence lengths, new tokens/blocks to write, logits rows, sampling parameters
+   — into one pinned buffer, and ``upload()`` it in one non-blocking copy.
+3. Write new prompt tokens and block ids into their device tables; run the model: a
+   captured CUDA graph for a pure-decode batch (padded to its bucket), eagerly otherwise.
+   The graph's inputs are read on the device from the token table, after the previous
+   step's sampler wrote it (stream order) and before the replay, whatever the batch order.
+4. Sample, scatter the sampled ids into the token table (where step N+1 gathers them), and
+   return an ``AsyncModelOutput`` whose host copy runs on a side stream.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
-import xxhash
 
 from tandem.distributed import get_tp_rank, tp_broadcast
 from tandem.layers.attention import AttentionMetadata, set_forward_context
 from tandem.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from tandem.types.scheduler_output import SchedulerOutput
-from tandem.worker.async_output import AsyncModelOutput
+from tandem.worker.async_output import AsyncModelOutput, HostBufferRing
 from tandem.worker.input_batch import CachedRequestState, InputBatch
+from tandem.worker.staging import Segment, StagingBuffer
 
 logger = logging.getLogger(__name__)
 
+_INT64 = np.dtype(np.int64)
+_INT32 = np.dtype(np.int32)
+_F32 = np.dtype(np.float32)
 
-def token_seed(sample_seed: int, output_index: int) -> int:
-    """Seed of the noise for a request's ``output_index``-th token.
 
-    Stateless on purpose: the same token gets the same noise whatever the batch, whether
-    or not the request was preempted and recomputed, and whether steps ran ahead (async).
-    """
-    h = xxhash.xxh3_64()
-    h.update(sample_seed.to_bytes(8, "little", signed=True))
-    h.update(output_index.to_bytes(8, "little"))
-    return h.intdigest() & 0x7FFF_FFFF_FFFF_FFFF
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Batch-size buckets a decode graph is captured for (a batch pads up to the next)."""
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
+    return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
+
+
+@dataclass
+class StepPlan:
+    """What ``_update_states`` gathered about the scheduled requests, in batch order."""
+
+    states: list[CachedRequestState]
+    rows: np.ndarray  # int32 [B]
+    starts: np.ndarray  # int32 [B] first position computed now
+    counts: np.ndarray  # int32 [B] tokens computed now
+    samples: np.ndarray  # bool [B]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.states)
+
+
+@dataclass
+class BatchSegments:
+    """The staged inputs the forward pass reads (fixed offsets for a given padded size)."""
+
+    gather: Segment  # int64 [T] flat token-table index of each input token
+    positions: Segment  # int64 [T]
+    slots: Segment  # int64 [T] cache slot of each token (-1: padding)
+    rows: Segment  # int32 [B] token-table row of each sequence (for its block table)
+    seq_lens: Segment  # int32 [B]
+    query_start_loc: Segment  # int32 [B + 1]
 
 
 class ModelRunner:
@@ -45,184 +80,343 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         max_num_seqs: int,
+        max_num_batched_tokens: int,
         device: torch.device,
         dtype: torch.dtype,
+        attention_backend: str = "sdpa",
+        cuda_graphs: bool = False,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         self.device = device
         self.dtype = dtype
+        self.backend = attention_backend
         # Twice the running set: a finished request keeps its row until the worker hears of
         # it, while its replacement may already have arrived.
-        self.batch = InputBatch(2 * max_num_seqs + 4, max_model_len, device)
+        self.batch = InputBatch(2 * max_num_seqs + 4, max_model_len, block_size, device)
+        tokens = max(max_num_batched_tokens, max_num_seqs)
+        self.staging = StagingBuffer(16 * tokens + 64 * max_num_seqs + (1 << 16), device)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.host_ring = HostBufferRing(max_num_seqs, pinned=device.type == "cuda")
         # With tensor parallelism only rank 0 samples; the others receive its ids by broadcast
         # so every rank's token table (hence every rank's next input) stays identical.
         self.tp_rank = get_tp_rank()
+        self.use_graphs = cuda_graphs and device.type == "cuda" and attention_backend == "triton"
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_sizes: list[int] = graph_batch_sizes(max_num_seqs) if self.use_graphs else []
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        self.num_kv_heads = 1
+        self.stats_graph_steps = 0
 
     def init_kv_cache(self, num_blocks: int, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_kv_heads = num_kv_heads
         self.kv_caches = [
             torch.zeros(2, num_blocks, self.block_size, num_kv_heads, head_dim, dtype=self.dtype, device=self.device)
             for _ in range(num_layers)
         ]
+        if self.use_graphs:
+            self.capture_graphs()
 
-    # -- one step ---------------------------------------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> list[CachedRequestState]:
+    # -- 1. the scheduler's delta ------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> StepPlan:
+        batch = self.batch
         for rid in so.finished_req_ids:
-            self.batch.remove(rid)
+            batch.remove(rid)
         for rid in so.preempted_req_ids:
-            self.batch.remove(rid)
-        states = []
-        for r in so.requests:
+            batch.remove(rid)
+        n = len(so.requests)
+        states: list[CachedRequestState] = []
+        rows = np.empty(n, dtype=np.int32)
+        starts = np.empty(n, dtype=np.int32)
+        counts = np.empty(n, dtype=np.int32)
+        samples = np.empty(n, dtype=bool)
+        for i, r in enumerate(so.requests):
             if r.new is not None:
-                states.append(self.batch.add(r.req_id, r.new, r.new_block_ids))
+                st = batch.add(r.req_id, r.new, r.new_block_ids)
             else:
-                st = self.batch.requests.get(r.req_id)
+                st = batch.requests.get(r.req_id)  # type: ignore[assignment]
                 if st is None:
                     raise RuntimeError(f"worker has no state for request {r.req_id!r} (step {so.step_id})")
-                st.block_ids.extend(r.new_block_ids)
-                states.append(st)
-        return states
+                batch.append_blocks(st, r.new_block_ids)
+            states.append(st)
+            rows[i] = st.row
+            starts[i] = r.num_computed_tokens
+            counts[i] = r.num_scheduled_tokens
+            samples[i] = r.samples
+        return StepPlan(states, rows, starts, counts, samples)
+
+    # -- 2. staging ----------------------------------------------------------------------
+    def _reserve_batch(self, num_tokens: int, num_seqs: int) -> tuple[BatchSegments, list[np.ndarray]]:
+        sb = self.staging
+        parts = [sb.reserve(num_tokens, _INT64), sb.reserve(num_tokens, _INT64), sb.reserve(num_tokens, _INT64),
+                 sb.reserve(num_seqs, _INT32), sb.reserve(num_seqs, _INT32), sb.reserve(num_seqs + 1, _INT32)]
+        return BatchSegments(*(p[0] for p in parts)), [p[1] for p in parts]
+
+    def _stage_batch(self, plan: StepPlan, pad_seqs: int) -> tuple[BatchSegments, np.ndarray, np.ndarray]:
+        """Inputs of the forward pass. ``pad_seqs`` > B pads a decode batch for a graph:
+        padding sequences have no query token and length 0, padding tokens slot -1."""
+        B = plan.num_seqs
+        qsl = np.zeros(B + 1, dtype=np.int32)
+        np.cumsum(plan.counts, out=qsl[1:])
+        T = int(qsl[-1])
+        seq_lens = plan.starts + plan.counts
+        pad_tokens = T if pad_seqs == B else pad_seqs
+        segs, (gather, positions, slots, rows, sl, qs) = self._reserve_batch(pad_tokens, pad_seqs)
+        if T == B:  # every sequence has one token: no repeat needed
+            pos = plan.starts.astype(np.int64)
+            tok_rows = plan.rows
+        else:
+            tok_rows = np.repeat(plan.rows, plan.counts)
+            pos = np.arange(T, dtype=np.int64) - np.repeat(qsl[:-1] - plan.starts, plan.counts)
+        bs = self.block_size
+        positions[:T] = pos
+        gather[:T] = tok_rows.astype(np.int64) * self.batch.width + pos
+        slots[:T] = self.batch.block_table[tok_rows, pos // bs].astype(np.int64) * bs + pos % bs
+        rows[:B] = plan.rows
+        sl[:B] = seq_lens
+        qs[:B + 1] = qsl
+        if pad_seqs > B:
+            positions[T:] = 0
+            gather[T:] = 0
+            slots[T:] = -1
+            rows[B:] = 0
+            sl[B:] = 0
+            qs[B + 1:] = T
+        return segs, qsl, seq_lens
+
+    def _stage_table_writes(self) -> Optional[tuple[Segment, Segment, Segment, Segment]]:
+        """New requests' tokens and new block ids, as flat (index, value) pairs."""
+        batch = self.batch
+        if not batch.pending_tokens and not batch.pending_blocks:
+            return None
+        sb = self.staging
+        tok_idx = [np.arange(len(t), dtype=np.int64) + row * batch.width for row, t in batch.pending_tokens]
+        tok_val = [np.asarray(t, dtype=np.int64) for _, t in batch.pending_tokens]
+        blk_idx = [np.arange(c, c + len(b), dtype=np.int64) + row * batch.max_blocks for row, c, b in batch.pending_blocks]
+        blk_val = [np.asarray(b, dtype=np.int32) for _, _, b in batch.pending_blocks]
+        batch.pending_tokens.clear()
+        batch.pending_blocks.clear()
+
+        def cat(xs: list[np.ndarray], dt: np.dtype) -> np.ndarray:
+            return np.concatenate(xs) if xs else np.zeros(0, dtype=dt)
+
+        return (sb.put(cat(tok_idx, _INT64)), sb.put(cat(tok_val, _INT64)),
+                sb.put(cat(blk_idx, _INT64)), sb.put(cat(blk_val, _INT32)))
+
+    # -- 3. the forward pass ---------------------------------------------------------------
+    def _apply_table_writes(self, segs: Optional[tuple[Segment, Segment, Segment, Segment]]) -> None:
+        if segs is None:
+            return
+        sb = self.staging
+        tok_idx, tok_val, blk_idx, blk_val = segs
+        if tok_idx.count:
+            self.batch.token_table.view(-1).index_copy_(0, sb.view(tok_idx), sb.view(tok_val))
+        if blk_idx.count:
+            self.batch.block_table_device.view(-1).index_copy_(0, sb.view(blk_idx), sb.view(blk_val))
+
+    def _forward(self, segs: BatchSegments, max_query_len: int, max_seq_len: int,
+                 qsl_host: Optional[np.ndarray], seq_lens_host: Optional[np.ndarray]) -> torch.Tensor:
+        """Gather the inputs from the token table and run the model (graph-capturable)."""
+        sb = self.staging
+        input_ids = self.batch.token_table.view(-1)[sb.view(segs.gather)]
+        md = AttentionMetadata(
+            slot_mapping=sb.view(segs.slots),
+            query_start_loc=sb.view(segs.query_start_loc),
+            seq_lens=sb.view(segs.seq_lens),
+            block_tables=self.batch.block_table_device[sb.view(segs.rows)],
+            block_size=self.block_size,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            backend=self.backend,
+            num_kv_splits=self._decode_splits(segs.rows.count) if max_query_len == 1 else 1,
+            query_start_loc_host=qsl_host,
+            seq_lens_host=seq_lens_host,
+        )
+        with set_forward_context(md, self.kv_caches):
+            return self.model(input_ids, sb.view(segs.positions))
+
+    def _decode_splits(self, num_seqs: int) -> int:
+        """Split-KV count of a decode batch. It depends only on the (padded) batch size and
+        max_model_len, so a batch gives the same numbers whether a graph runs it or not."""
+        if self.backend != "triton":
+            return 1
+        from tandem.kernels import choose_num_kv_splits
+
+        return choose_num_kv_splits(self._bucket(num_seqs), self.num_kv_heads, 1, self.max_model_len, self.num_sms)
+
+    def _bucket(self, num_seqs: int) -> int:
+        return next((s for s in self.graph_sizes if s >= num_seqs), num_seqs)
+
+    def _graph_size(self, plan: StepPlan) -> Optional[int]:
+        """The bucket of a pure-decode batch that a captured graph can run, else None."""
+        if not self.graphs or plan.num_seqs > self.graph_sizes[-1] or int(plan.counts.max()) != 1:
+            return None
+        return self._bucket(plan.num_seqs)
 
     @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """One decode graph per batch-size bucket, largest first, sharing one memory pool.
+
+        Each graph reads its inputs at the offsets ``_reserve_batch`` gives its size, from
+        the staging device buffer, and the token and block tables; capture fills them with
+        a harmless batch (sequences of length 1 in block 0, no cache writes).
+        """
+        pool = None
+        sb = self.staging
+        for size in reversed(self.graph_sizes):
+            sb.begin(0)
+            segs, (gather, positions, slots, rows, sl, qs) = self._reserve_batch(size, size)
+            gather[:] = 0
+            positions[:] = 0
+            slots[:] = -1
+            rows[:] = 0
+            sl[:] = 1
+            qs[:] = np.arange(size + 1)
+            sb.upload()
+            for _ in range(2):  # warm up: autotuning and lazy initialization outside capture
+                self._forward(segs, 1, self.max_model_len, None, None)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self._forward(segs, 1, self.max_model_len, None, None)
+            pool = graph.pool()
+            self.graphs[size] = (graph, hidden)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), self.graph_sizes)
+
+    # -- the step ------------------------------------------------------------------------
+    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> AsyncModelOutput:
-        states = self._update_states(so)
-        if not states:  # nothing scheduled (e.g. a call that only primes the pipeline)
+        plan = self._update_states(so)
+        if not plan.num_seqs:  # nothing scheduled (e.g. a call that only primes the pipeline)
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
-            return AsyncModelOutput(so.step_id, [], empty, None, {}, self.copy_stream)
-        width = self.batch.width
-        positions: list[int] = []
-        flat_index: list[int] = []
-        query_lens, seq_lens, block_tables = [], [], []
-        logits_rows: list[int] = []  # token index whose logits sample
-        sample_states: list[tuple[CachedRequestState, int]] = []  # (state, seq_len)
-        prompt_lp: list[tuple[CachedRequestState, int, int, int]] = []  # (state, tok0, pos0, count)
-        tok = 0
-        for r, st in zip(so.requests, states):
-            start, n = r.num_computed_tokens, r.num_scheduled_tokens
-            end = start + n
-            positions.extend(range(start, end))
-            base = st.row * width
-            flat_index.extend(range(base + start, base + end))
-            query_lens.append(n)
-            seq_lens.append(end)
-            block_tables.append(st.block_ids)
-            want_plp = st.sampling_params.prompt_logprobs is not None and start < st.num_prompt_tokens - 1
-            if want_plp:
-                count = min(end, st.num_prompt_tokens - 1) - start
-                prompt_lp.append((st, tok, start, count))
-            if r.samples:
-                logits_rows.append(tok + n - 1)
-                sample_states.append((st, end))
-            tok += n
+            return AsyncModelOutput(so.step_id, [], empty, None, {}, self.copy_stream, self.host_ring)
+        graph_size = self._graph_size(plan)
+        sb = self.staging
+        sb.begin(0)
+        segs, qsl, seq_lens = self._stage_batch(plan, graph_size or plan.num_seqs)
+        writes = self._stage_table_writes()
+        sample_idx = np.flatnonzero(plan.samples)
+        logits_rows = sb.put((qsl[1:] - 1)[sample_idx].astype(np.int64))
+        dest = sb.put(plan.rows[sample_idx].astype(np.int64) * self.batch.width + seq_lens[sample_idx])
+        sampling = self._stage_sampling(plan, sample_idx, seq_lens)
+        sb.upload()
 
-        dev = self.device
-        flat_t = torch.tensor(flat_index, dtype=torch.int64).to(dev, non_blocking=True)
-        table = self.batch.token_table.view(-1)
-        input_ids = table[flat_t]
-        pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
-        md = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, dev)
-        with set_forward_context(md, self.kv_caches):
-            hidden = self.model(input_ids, pos_t)
+        self._apply_table_writes(writes)
+        if graph_size is not None:
+            graph, hidden = self.graphs[graph_size]
+            graph.replay()
+            self.stats_graph_steps += 1
+        else:
+            hidden = self._forward(segs, int(plan.counts.max()), int(seq_lens.max()), qsl, seq_lens)
 
-        # Prompt logprobs: logits at each prompt position of the chunk, target = next token.
-        prompt_out: dict[str, LogprobsTensors] = {}
-        for st, tok0, pos0, count in prompt_lp:
-            if count <= 0:
-                continue
-            logits = self.model.compute_logits(hidden[tok0:tok0 + count])  # collective under TP
-            if self.tp_rank != 0:
-                continue
-            targets = self.batch.token_table[st.row, pos0 + 1:pos0 + 1 + count]
-            k = st.sampling_params.prompt_logprobs or 0
-            prompt_out[st.req_id] = gather_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, k)
-
-        req_ids = [st.req_id for st, _ in sample_states]
-        if sample_states:
-            rows_t = torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True)
-            logits = self.model.compute_logits(hidden[rows_t])  # every rank: the LM head gathers
+        prompt_out = self._prompt_logprobs(plan, qsl, hidden)
+        req_ids = [plan.states[i].req_id for i in sample_idx.tolist()]
+        if len(sample_idx):
+            all_rows = len(sample_idx) == plan.num_seqs and int(plan.counts.max()) == 1
+            h = hidden[:len(sample_idx)] if all_rows else hidden[sb.view(logits_rows)]
+            logits = self.model.compute_logits(h)  # every rank: the LM head gathers
             if self.tp_rank == 0:
-                result = self.sampler(logits, self._sampling_metadata(sample_states))
+                result = self.sampler(logits, sampling())
                 sampled, logprobs = result.sampled_token_ids, result.logprobs
             else:
-                sampled = torch.empty(len(sample_states), dtype=torch.int64, device=dev)
+                sampled = torch.empty(len(sample_idx), dtype=torch.int64, device=self.device)
                 logprobs = None
             tp_broadcast(sampled, src=0)
             # Feed the device-side token table: step N+1 reads these ids from here.
-            dest = torch.tensor([st.row * width + end for st, end in sample_states], dtype=torch.int64)
-            table.index_copy_(0, dest.to(dev, non_blocking=True), sampled)
+            self.batch.token_table.view(-1).index_copy_(0, sb.view(dest), sampled)
         else:
-            sampled = torch.empty(0, dtype=torch.int64, device=dev)
+            sampled = torch.empty(0, dtype=torch.int64, device=self.device)
             logprobs = None
-        return AsyncModelOutput(so.step_id, req_ids, sampled, logprobs, prompt_out, self.copy_stream)
+        return AsyncModelOutput(so.step_id, req_ids, sampled, logprobs, prompt_out, self.copy_stream, self.host_ring)
 
-    def _sampling_metadata(self, sample_states: list[tuple[CachedRequestState, int]]) -> SamplingMetadata:
-        dev = self.device
-        temps, top_k, top_p, min_p = [], [], [], []
-        rep, freq, pres = [], [], []
-        generators: dict[int, torch.Generator] = {}
-        min_tok_mask: list[tuple[int, list[int]]] = []
-        max_lp: Optional[int] = None
-        use_pen = False
-        for i, (st, seq_len) in enumerate(sample_states):
-            sp = st.sampling_params
-            temps.append(0.0 if sp.greedy else sp.temperature)
-            top_k.append(sp.top_k)
-            top_p.append(sp.top_p)
-            min_p.append(sp.min_p)
-            rep.append(sp.repetition_penalty)
-            freq.append(sp.frequency_penalty)
-            pres.append(sp.presence_penalty)
-            use_pen |= sp.uses_penalties
-            n_out = seq_len - st.num_prompt_tokens  # tokens already generated before this one
-            if st.sample_seed is not None and not sp.greedy:
-                g = torch.Generator(device=dev)
-                g.manual_seed(token_seed(st.sample_seed, n_out))
-                generators[i] = g
-            if n_out < sp.min_tokens:
-                banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(st.eos_token_ids))
-                if banned:
-                    min_tok_mask.append((i, banned))
-            if sp.logprobs is not None:
-                max_lp = max(max_lp or 0, sp.logprobs)
-        all_greedy = all(t == 0.0 for t in temps)
-        meta = SamplingMetadata(
-            temperature=torch.tensor(temps, dtype=torch.float32).to(dev),
-            all_greedy=all_greedy,
-            all_random=all(t > 0.0 for t in temps),
-            top_k=torch.tensor(top_k, dtype=torch.int64).to(dev) if any(k > 0 for k in top_k) else None,
-            top_p=torch.tensor(top_p, dtype=torch.float32).to(dev) if any(p < 1.0 for p in top_p) else None,
-            min_p=torch.tensor(min_p, dtype=torch.float32).to(dev) if any(p > 0.0 for p in min_p) else None,
-            repetition_penalty=None,
-            frequency_penalty=None,
-            presence_penalty=None,
-            prompt_token_ids=None,
-            output_token_ids=None,
-            generators=generators,
-            min_tokens_mask=min_tok_mask,
-            max_num_logprobs=max_lp,
-        )
+    # -- 4. sampling inputs ----------------------------------------------------------------
+    def _stage_sampling(self, plan: StepPlan, sample_idx: np.ndarray, seq_lens: np.ndarray):
+        """Stage the sampled rows' parameters; returns a thunk that builds the metadata
+        from device views after the upload (only the settings some row uses travel)."""
+        b = self.batch
+        sb = self.staging
+        rows = plan.rows[sample_idx]
+        temps = b.temperature[rows]
+        greedy = temps == 0.0
+        all_greedy = bool(greedy.all())
+        seg: dict[str, Segment] = {}
+        if not all_greedy:
+            seg["temperature"] = sb.put(temps)
+            if (b.top_k[rows] > 0).any():
+                seg["top_k"] = sb.put(b.top_k[rows].astype(np.int64))
+            if (b.top_p[rows] < 1.0).any():
+                seg["top_p"] = sb.put(b.top_p[rows])
+            if (b.min_p[rows] > 0.0).any():
+                seg["min_p"] = sb.put(b.min_p[rows])
+            seeded = np.flatnonzero(b.seeded[rows])
+            if len(seeded):
+                seg["seeded_rows"] = sb.put(seeded.astype(np.int64))
+                seg["seeds"] = sb.put(b.seed[rows[seeded]])
+                n_out = seq_lens[sample_idx] - b.num_prompt_tokens[rows]
+                seg["output_index"] = sb.put(n_out[seeded].astype(np.int64))
+        n_out_all = seq_lens[sample_idx] - b.num_prompt_tokens[rows]
+        if (n_out_all < b.min_tokens[rows]).any():
+            seg["min_tokens_rows"], seg["min_tokens_cols"] = self._stage_min_tokens(plan, sample_idx, n_out_all)
+        use_pen = b.uses_penalties[rows].any()
         if use_pen:
-            meta.repetition_penalty = torch.tensor(rep, dtype=torch.float32).to(dev)
-            meta.frequency_penalty = torch.tensor(freq, dtype=torch.float32).to(dev)
-            meta.presence_penalty = torch.tensor(pres, dtype=torch.float32).to(dev)
-            meta.prompt_token_ids, meta.output_token_ids = self._penalty_tokens(sample_states)
-        return meta
+            seg["repetition_penalty"] = sb.put(b.repetition_penalty[rows])
+            seg["frequency_penalty"] = sb.put(b.frequency_penalty[rows])
+            seg["presence_penalty"] = sb.put(b.presence_penalty[rows])
+            seg["pen_rows"] = sb.put(rows.astype(np.int64))
+            seg["pen_plen"] = sb.put(b.num_prompt_tokens[rows].astype(np.int64))
+            seg["pen_slen"] = sb.put(seq_lens[sample_idx].astype(np.int64))
+            max_p = int(b.num_prompt_tokens[rows].max())
+            max_o = int(max(n_out_all.max(), 1))
+        lp = b.num_logprobs[rows]
+        max_lp = int(lp.max()) if (lp >= 0).any() else None
 
-    def _penalty_tokens(self, sample_states: list[tuple[CachedRequestState, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        def build() -> SamplingMetadata:
+            v = {k: sb.view(s) for k, s in seg.items()}
+            md = SamplingMetadata(
+                temperature=v.get("temperature", torch.zeros(0, device=self.device)),
+                all_greedy=all_greedy,
+                all_random=not bool(greedy.any()),
+                top_k=v.get("top_k"), top_p=v.get("top_p"), min_p=v.get("min_p"),
+                repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
+                prompt_token_ids=None, output_token_ids=None,
+                max_num_logprobs=max_lp,
+                seeded_rows=v.get("seeded_rows"), seeds=v.get("seeds"), output_index=v.get("output_index"),
+                min_tokens_rows=v.get("min_tokens_rows"), min_tokens_cols=v.get("min_tokens_cols"),
+            )
+            if use_pen:
+                md.repetition_penalty = v["repetition_penalty"]
+                md.frequency_penalty = v["frequency_penalty"]
+                md.presence_penalty = v["presence_penalty"]
+                md.prompt_token_ids, md.output_token_ids = self._penalty_tokens(
+                    v["pen_rows"], v["pen_plen"], v["pen_slen"], max_p, max_o)
+            return md
+
+        return build
+
+    def _stage_min_tokens(self, plan: StepPlan, sample_idx: np.ndarray, n_out: np.ndarray) -> tuple[Segment, Segment]:
+        """(row, token) pairs to forbid: stop ids and EOS of rows short of min_tokens."""
+        rows_l: list[int] = []
+        cols_l: list[int] = []
+        for k in np.flatnonzero(n_out < self.batch.min_tokens[plan.rows[sample_idx]]).tolist():
+            st = plan.states[int(sample_idx[k])]
+            sp = st.sampling_params
+            banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(st.eos_token_ids))
+            rows_l += [k] * len(banned)
+            cols_l += banned
+        sb = self.staging
+        return sb.put(np.asarray(rows_l, dtype=np.int64)), sb.put(np.asarray(cols_l, dtype=np.int64))
+
+    def _penalty_tokens(self, rows: torch.Tensor, p_len: torch.Tensor, s_len: torch.Tensor, max_p: int,
+                        max_o: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompt and output ids of each sampling row, gathered from the token table on the device."""
-        max_p = max(st.num_prompt_tokens for st, _ in sample_states)
-        max_o = max(max(seq_len - st.num_prompt_tokens, 0) for st, seq_len in sample_states) or 1
         width = self.batch.width
-        rows = torch.tensor([st.row for st, _ in sample_states], dtype=torch.int64)
-        p_len = torch.tensor([st.num_prompt_tokens for st, _ in sample_states], dtype=torch.int64)
-        s_len = torch.tensor([seq_len for _, seq_len in sample_states], dtype=torch.int64)
         dev = self.device
-        rows, p_len, s_len = rows.to(dev), p_len.to(dev), s_len.to(dev)
         table = self.batch.token_table
         pi = torch.arange(max_p, device=dev)[None, :]
         prompt = table[rows[:, None], pi.clamp(max=width - 1)]
@@ -231,3 +425,20 @@ class ModelRunner:
         out = table[rows[:, None], oi.clamp(max=width - 1)]
         out = torch.where(oi < s_len[:, None], out, self.vocab_size)
         return prompt, out
+
+    def _prompt_logprobs(self, plan: StepPlan, qsl: np.ndarray, hidden: torch.Tensor) -> dict[str, LogprobsTensors]:
+        """Logprobs of each prompt position in this step's chunk (target = next prompt token)."""
+        out: dict[str, LogprobsTensors] = {}
+        for i, st in enumerate(plan.states):
+            k = st.sampling_params.prompt_logprobs
+            start = int(plan.starts[i])
+            if k is None or start >= st.num_prompt_tokens - 1:
+                continue
+            count = min(start + int(plan.counts[i]), st.num_prompt_tokens - 1) - start
+            tok0 = int(qsl[i])
+            logits = self.model.compute_logits(hidden[tok0:tok0 + count])  # collective under TP
+            if self.tp_rank != 0:
+                continue
+            targets = self.batch.token_table[st.row, start + 1:start + 1 + count]
+            out[st.req_id] = gather_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, k)
+        return out

@@ -15,6 +15,7 @@ import torch
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.distributed import init_tensor_parallel
+from tandem.layers.attention import resolve_backend
 from tandem.types.scheduler_output import SchedulerOutput
 from tandem.worker.async_output import AsyncModelOutput
 from tandem.worker.model_runner import ModelRunner
@@ -51,8 +52,14 @@ class Worker:
         # The engine's seed, for unseeded sampling (the default generator of this device).
         torch.random.manual_seed(config.seed)
         self.model = load_model(model_config.folder, self.dtype, self.device, hf_config=model_config.hf_config)
+        backend = resolve_backend(config.attention_backend, self.device)
+        graphs = not config.enforce_eager and device.type == "cuda" and backend == "triton" and world_size == 1
+        if not config.enforce_eager and device.type == "cuda" and not graphs:
+            logger.info("CUDA graphs off (attention backend %s, tensor_parallel_size %d): decode runs eagerly",
+                        backend, world_size)
         self.runner = ModelRunner(self.model, model_config.vocab_size, config.block_size, model_config.max_model_len,
-                                  config.max_num_seqs, self.device, self.dtype)
+                                  config.max_num_seqs, config.max_num_batched_tokens, self.device, self.dtype,
+                                  attention_backend=backend, cuda_graphs=graphs)
 
     def block_bytes(self) -> int:
         return self.model_config.kv_block_bytes(self.config.block_size, self.config.tensor_parallel_size)

@@ -37,10 +37,11 @@ def make_metadata(
     presence_penalty: list[float] | None = None,
     prompt_token_ids: torch.Tensor | None = None,
     output_token_ids: torch.Tensor | None = None,
-    generators: dict[int, torch.Generator] | None = None,
+    seeds: dict[int, tuple[int, int]] | None = None,
     min_tokens_mask: list[tuple[int, list[int]]] | None = None,
     max_num_logprobs: int | None = None,
 ) -> SamplingMetadata:
+    """``seeds``: row -> (seed, output index); ``min_tokens_mask``: (row, ids to forbid)."""
     def vec(v, dtype):
         if v is None:
             return None
@@ -50,6 +51,8 @@ def make_metadata(
 
     temp = vec(temperature, torch.float32)
     greedy = temp == 0
+    seed_rows = sorted(seeds or {})
+    pairs = [(row, t) for row, ids in (min_tokens_mask or []) for t in ids]
     return SamplingMetadata(
         temperature=temp,
         all_greedy=bool(greedy.all()),
@@ -62,9 +65,12 @@ def make_metadata(
         presence_penalty=vec(presence_penalty, torch.float32),
         prompt_token_ids=prompt_token_ids,
         output_token_ids=output_token_ids,
-        generators=generators or {},
-        min_tokens_mask=min_tokens_mask or [],
         max_num_logprobs=max_num_logprobs,
+        seeded_rows=torch.tensor(seed_rows, dtype=torch.int64) if seed_rows else None,
+        seeds=torch.tensor([seeds[r][0] for r in seed_rows], dtype=torch.int64) if seed_rows else None,
+        output_index=torch.tensor([seeds[r][1] for r in seed_rows], dtype=torch.int64) if seed_rows else None,
+        min_tokens_rows=torch.tensor([r for r, _ in pairs], dtype=torch.int64) if pairs else None,
+        min_tokens_cols=torch.tensor([t for _, t in pairs], dtype=torch.int64) if pairs else None,
     )
 
 
@@ -254,11 +260,10 @@ def _seeded_draws(seed: int, logits_row: torch.Tensor, row: int, batch: int,
                   steps: int = 30) -> list[int]:
     """Sample `steps` tokens for a row seeded with `seed`, placed at `row` of a batch
     whose other rows are unseeded random rows."""
-    gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(batch, logits_row.numel())
     logits[row] = logits_row
-    md = make_metadata(batch, 1.0, top_k=0, generators={row: gen})
-    return [int(Sampler()(logits, md).sampled_token_ids[row]) for _ in range(steps)]
+    return [int(Sampler()(logits, make_metadata(batch, 1.0, top_k=0, seeds={row: (seed, i)})).sampled_token_ids[row])
+            for i in range(steps)]
 
 
 @pytest.mark.timeout(60)
@@ -277,15 +282,13 @@ def test_seeded_reproducible_across_batch_composition() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_seeded_rows_independent_with_multiple_generators() -> None:
+def test_seeded_rows_independent_of_their_place_in_the_batch() -> None:
     vocab = 1000
     logits = torch.zeros(4, vocab)
-    g = {1: torch.Generator().manual_seed(7), 2: torch.Generator().manual_seed(8)}
-    out = Sampler()(logits, make_metadata(4, 1.0, generators=g)).sampled_token_ids
+    out = Sampler()(logits, make_metadata(4, 1.0, seeds={1: (7, 0), 2: (8, 0)})).sampled_token_ids
     # Every row seeded: no default-RNG draw is needed.
-    g_all = {0: torch.Generator().manual_seed(8), 1: torch.Generator().manual_seed(7)}
     state = torch.get_rng_state()
-    out2 = Sampler()(logits[:2], make_metadata(2, 1.0, generators=g_all)).sampled_token_ids
+    out2 = Sampler()(logits[:2], make_metadata(2, 1.0, seeds={0: (8, 0), 1: (7, 0)})).sampled_token_ids
     assert torch.equal(state, torch.get_rng_state())
     assert int(out[1]) == int(out2[1]) and int(out[2]) == int(out2[0])
 
@@ -297,12 +300,43 @@ def test_seeded_row_distribution() -> None:
     logits = LOGITS8.unsqueeze(0)
     md_base = dict(temperature=1.0)
     for seed in range(4000):
-        g = torch.Generator().manual_seed(seed)
-        md = make_metadata(1, generators={0: g}, **md_base)
+        md = make_metadata(1, seeds={0: (seed, 3)}, **md_base)
         draws.append(int(Sampler()(logits, md).sampled_token_ids[0]))
     freqs = torch.bincount(torch.tensor(draws), minlength=8).double() / len(draws)
     diff = (freqs - torch.softmax(LOGITS8, -1).double()).abs().max().item()
     assert diff < 0.035  # n=4000: std <= 0.008, > 4 sigma
+
+
+def _splitmix64_reference(seed: int, output_index: int, col: int) -> float:
+    """The seeded noise in plain Python integers (uint64 arithmetic), as the docstring says."""
+    m = (1 << 64) - 1
+
+    def mix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        return z ^ (z >> 31)
+
+    key = mix(mix((seed + 0x9E3779B97F4A7C15) & m) ^ ((output_index * 0xBF58476D1CE4E5B9 + 1) & m))
+    z = mix((key + (col + 1) * 0x9E3779B97F4A7C15) & m)
+    return -math.log(((z >> 40) + 0.5) / (1 << 24))
+
+
+@pytest.mark.timeout(60)
+def test_seeded_noise_is_the_documented_counter_hash() -> None:
+    """torch's int64 arithmetic must wrap like uint64, on any device: compare with plain ints
+    (negative and large seeds included), then check the noise is Exp(1)."""
+    from tandem.layers.sampler import seeded_exponential
+
+    seeds = torch.tensor([0, 1, -5, (1 << 63) - 1, -(1 << 63), 123456789], dtype=torch.int64)
+    idx = torch.tensor([0, 7, 3, 1 << 40, 2, 99], dtype=torch.int64)
+    got = seeded_exponential(seeds, idx, 16)
+    want = torch.tensor([[_splitmix64_reference(int(s), int(i), c) for c in range(16)]
+                         for s, i in zip(seeds.tolist(), idx.tolist())])
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-6)
+    big = seeded_exponential(torch.arange(64), torch.zeros(64, dtype=torch.int64), 4096)
+    assert abs(big.mean().item() - 1.0) < 0.01 and abs(big.var().item() - 1.0) < 0.03
+    _, p = stats.kstest(big.flatten()[:20000].numpy(), "expon")
+    assert p > CHI2_P_MIN
 
 
 # ------------------------------------------------------------------------ penalties

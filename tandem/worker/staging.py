@@ -1,0 +1,99 @@
+"""One host-to-device copy per step: a pinned staging buffer packed with numpy.
+
+A step's host inputs (positions, slots, block-table updates, sampling parameters, ...) are
+written as numpy arrays into consecutive, 8-byte-aligned segments of one pinned buffer of
+32-bit words; ``upload()`` copies the used prefix to the device in one non-blocking copy,
+and each segment is then read on the device as a typed view (``int32``, ``int64`` or
+``float32``) of the device buffer.
+
+Why this is safe without waiting:
+* the copy is queued on the compute stream, so it runs after every kernel of the previous
+  step that reads the device buffer — one device buffer suffices;
+* the host side alternates between two pinned buffers, and a buffer is rewritten only
+  after the event recorded behind its last copy has fired (normally long ago).
+
+CUDA graphs read their inputs from fixed offsets of the same device buffer: a decode step
+packs its segments in a layout that depends only on the padded batch size, so a graph
+captured for that size finds this step's values where it read them at capture.
+
+On the CPU there is nothing to copy: the "device" buffer is the host buffer.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32}
+
+
+class Segment:
+    """Where one array sits in the buffer: word offset, element count, dtype."""
+
+    __slots__ = ("offset", "count", "dtype")
+
+    def __init__(self, offset: int, count: int, dtype: np.dtype) -> None:
+        self.offset, self.count, self.dtype = offset, count, dtype
+
+
+class StagingBuffer:
+    def __init__(self, capacity_words: int, device: torch.device) -> None:
+        self.device = device
+        self.capacity = capacity_words
+        self.cuda = device.type == "cuda"
+        n_host = 2 if self.cuda else 1
+        self._hosts = [torch.zeros(capacity_words, dtype=torch.int32, pin_memory=self.cuda) for _ in range(n_host)]
+        self._events: list[Optional[torch.cuda.Event]] = [None] * n_host
+        self.device_buf = (torch.zeros(capacity_words, dtype=torch.int32, device=device) if self.cuda
+                           else self._hosts[0])
+        self._cur = 0
+        self._np = self._hosts[0].numpy()
+        self.offset = 0
+
+    # -- packing ---------------------------------------------------------------------------
+    def begin(self, at: int = 0) -> None:
+        """Start packing a step at word ``at`` (after a fixed-layout region, if any)."""
+        if self.cuda:
+            self._cur ^= 1
+            ev = self._events[self._cur]
+            if ev is not None:
+                ev.synchronize()  # the copy that last read this host buffer is done
+            self._np = self._hosts[self._cur].numpy()
+        self.offset = at
+
+    def reserve(self, count: int, dtype: np.dtype | type, at: Optional[int] = None) -> tuple[Segment, np.ndarray]:
+        """A segment of ``count`` elements and the numpy view to fill it through."""
+        dt = np.dtype(dtype)
+        words = count * dt.itemsize // 4
+        start = self.offset if at is None else at
+        start += start & 1  # 8-byte alignment for int64 views
+        end = start + words
+        if end > self.capacity:
+            raise OverflowError(f"staging buffer of {self.capacity} words is too small ({end} needed)")
+        if at is None:
+            self.offset = end
+        view = self._np[start:end].view(dt)
+        return Segment(start, count, dt), view
+
+    def put(self, arr: np.ndarray, at: Optional[int] = None) -> Segment:
+        seg, view = self.reserve(arr.size, arr.dtype, at)
+        view[:] = arr.reshape(-1)
+        return seg
+
+    def upload(self) -> None:
+        """Copy everything packed since ``begin(0)`` to the device (one non-blocking copy)."""
+        if not self.cuda:
+            return
+        n = self.offset + (self.offset & 1)
+        host = self._hosts[self._cur]
+        self.device_buf[:n].copy_(host[:n], non_blocking=True)
+        ev = self._events[self._cur] or torch.cuda.Event()
+        ev.record()
+        self._events[self._cur] = ev
+
+    # -- reading on the device -------------------------------------------------------------
+    def view(self, seg: Segment) -> torch.Tensor:
+        """The device tensor of a segment (int32, int64 or float32)."""
+        words = seg.count * seg.dtype.itemsize // 4
+        return self.device_buf[seg.offset:seg.offset + words].view(_DTYPES[seg.dtype])
