@@ -1,87 +1,118 @@
 """Per-request generation settings, mirroring vLLM's ``SamplingParams``.
 
-Validation happens here, at construction, so a bad request fails before it reaches the
-scheduler with a message that names the field.
+Validation happens here, at construction (pydantic, strict), so a bad request fails before
+it reaches the scheduler with a message that names the field and the value.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from typing import Annotated, Any, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from tandem.validation import StrictModel, show
 
 _GREEDY_EPS = 1e-5
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(StrictModel):
     """How to sample one request's continuation.
 
-    ``temperature == 0`` means greedy decoding. ``top_k <= 0`` and ``top_p == 1`` disable
-    those filters. ``seed`` makes the request's sampling reproducible regardless of which
-    other requests share its batch (and of async scheduling and preemption): the noise for
-    output token ``i`` is derived from ``(seed, i)`` alone.
+    ``temperature == 0`` means greedy decoding. ``top_k`` of 0 or -1 and ``top_p == 1``
+    disable those filters (-1 is stored as 0). ``seed`` makes the request's sampling
+    reproducible regardless of which other requests share its batch (and of async
+    scheduling and preemption): the noise for output token ``i`` is derived from
+    ``(seed, i)`` alone. ``max_tokens=None`` generates to the end of the context.
+
+    Strict types: a bool is not an int, a string is not a number, NaN and infinities are
+    refused; a wrong value raises ``InvalidValuesError`` (a ``ValueError``). Fields are
+    plain instance attributes, as cheap to read as a dataclass's (the engine reads them for
+    every request every step). Instances pickle, and ``SamplingParams.model_validate(
+    sp.model_dump())`` round-trips to an equal object: ``model_dump()`` holds only ints,
+    floats, strings, bools, None and lists, so it crosses a process boundary as msgspec
+    or JSON and is validated again on the other side.
     """
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: Optional[int] = None
-    max_tokens: Optional[int] = 16
-    min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: Optional[int] = None
-    prompt_logprobs: Optional[int] = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    detokenize: bool = True
+    what = "sampling params"
 
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or self.top_k < 0:
-            self.top_k = 0
-        self._validate()
+    n: int = Field(1, ge=1, description="completions to generate for the prompt")
+    temperature: float = Field(1.0, ge=0.0, description="randomness of sampling; 0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="keep the smallest set of tokens whose probability "
+                                                          "reaches top_p (1 = off)")
+    top_k: int = Field(0, ge=-1, description="keep the k most likely tokens (0 or -1 = off)")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens less likely than min_p times the most "
+                                                          "likely one (0 = off)")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="divide the logits of tokens already in the prompt "
+                                                               "or output by this (1 = off)")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtract this times each token's count "
+                                                                       "in the output so far (0 = off)")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtract this from tokens already in "
+                                                                      "the output (0 = off)")
+    seed: Optional[int] = Field(None, ge=INT64_MIN, le=INT64_MAX,
+                                description="per-request sampling seed (a signed 64-bit int) for reproducible "
+                                            "sampling; default: the engine's random generator")
+    max_tokens: Optional[int] = Field(16, ge=1, description="most tokens to generate (None: to the end of the "
+                                                            "context)")
+    min_tokens: int = Field(0, ge=0, description="generate at least this many tokens before EOS or a stop "
+                                                 "token may end the output")
+    stop: list[str] = Field(default_factory=list, description="strings that end the output when generated "
+                                                              "(not included unless include_stop_str_in_output)")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, description="token ids that end the output when generated")
+    ignore_eos: bool = Field(False, description="keep generating after the EOS token")
+    logprobs: Optional[int] = Field(None, ge=0, description="return the log-probabilities of this many most "
+                                                            "likely tokens at each output position")
+    prompt_logprobs: Optional[int] = Field(None, ge=0, description="return the log-probabilities of this many "
+                                                                   "most likely tokens at each prompt position")
+    include_stop_str_in_output: bool = Field(False, description="keep the matched stop string in the output text")
+    skip_special_tokens: bool = Field(True, description="leave special tokens out of the output text")
+    detokenize: bool = Field(True, description="decode the output into text (off: token ids only)")
 
-    def _validate(self) -> None:
-        def bad(msg: str) -> None:
-            raise ValueError(msg)
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, v: Any) -> Any:
+        """A single string is one stop string; None or a tuple are accepted like the old dataclass did."""
+        if v is None:
+            return []
+        if isinstance(v, str):
+            return [v]
+        if isinstance(v, tuple):
+            return list(v)
+        if not isinstance(v, list):
+            raise ValueError(f"stop must be a string or a list of strings, got {type(v).__name__} {show(v)}")
+        return v
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            bad(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.min_tokens < 0:
-            bad(f"min_tokens must be >= 0, got {self.min_tokens}")
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: list[str]) -> list[str]:
+        """An empty stop string would match before every token."""
+        if any(not s for s in v):
+            raise ValueError(f"stop strings must be non-empty, got {show(v)}")
+        return v
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _ids_as_list(cls, v: Any) -> Any:
+        if v is None:
+            return []
+        return list(v) if isinstance(v, tuple) else v
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _top_k_none_is_off(cls, v: Any) -> Any:
+        return 0 if v is None else v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_one_off_value(cls, v: int) -> int:
+        """-1 (vLLM's old "off") and 0 mean the same; keep one so the sampler sees one."""
+        return 0 if v == -1 else v
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> "SamplingParams":
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and self.logprobs < 0:
-            bad(f"logprobs must be >= 0, got {self.logprobs}")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            bad(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop strings must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids must be non-negative integers")
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        return self
 
     @property
     def greedy(self) -> bool:
@@ -95,9 +126,6 @@ class SamplingParams:
             or self.presence_penalty != 0.0
         )
 
-    def clone(self, **changes: object) -> "SamplingParams":
-        data = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        data.update(changes)
-        data["stop"] = list(data["stop"])  # type: ignore[arg-type]
-        data["stop_token_ids"] = list(data["stop_token_ids"])  # type: ignore[arg-type]
-        return SamplingParams(**data)  # type: ignore[arg-type]
+    def clone(self, **changes: Any) -> "SamplingParams":
+        """A validated copy with ``changes`` applied (lists are copied, never shared)."""
+        return SamplingParams(**{**self.model_dump(), **changes})

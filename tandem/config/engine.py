@@ -1,126 +1,113 @@
-"""The engine's one configuration object, and the CLI flags generated from it.
+"""The engine's one configuration object, validated by pydantic.
 
-Every field carries its help text in ``metadata`` so ``add_cli_args`` can mirror the
-dataclass exactly: a new option is added in one place and appears on the command line.
+Each field carries its type, range and help text in one place; the CLI generates its
+flags from these fields (``tandem.entrypoints.cli``), so a new option is added here once
+and appears on the command line with the same default and help.
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
+import logging
 import os
-from dataclasses import dataclass, field
-from typing import Any, Optional
+import re
+from typing import Literal, Optional
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DEVICES = ("auto", "cpu", "cuda")
-_EXECUTORS = ("auto", "uniproc", "multiproc", "ray")
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from tandem.validation import StrictModel, show
+
+logger = logging.getLogger(__name__)
+
+MAX_BLOCK_SIZE = 256  # the largest KV block the attention kernels are built for
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+_GIB = 1 << 30
+_DOTTED_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 
 
-def _opt(default: Any, help: str, **kw: Any) -> Any:
-    return field(default=default, metadata={"help": help, **kw})
+class EngineConfig(StrictModel):
+    """Everything that shapes an engine instance. Validated on construction and assignment.
 
+    Wrong values raise ``InvalidValuesError`` (a ``ValueError``) with one sentence per
+    problem, each naming the field and the value; an unknown keyword names the closest field.
+    """
 
-@dataclass
-class EngineConfig:
-    """Everything that shapes an engine instance. Validated on construction."""
+    what = "engine config"
 
-    model: Optional[str] = _opt(
-        None, "HF model folder or .gguf file; default: the embedded SmolLM2-135M-Instruct GGUF"
-    )
-    tokenizer: Optional[str] = _opt(None, "tokenizer folder (default: the model's)")
-    dtype: str = _opt("auto", "weight/activation dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16",
-                      choices=_DTYPES)
-    device: str = _opt("auto", "cpu, cuda, or auto (cuda when available)", choices=_DEVICES)
-    block_size: int = _opt(16, "tokens per KV cache block")
-    num_kv_blocks: Optional[int] = _opt(None, "number of KV cache blocks (overrides the memory-based sizing)")
-    gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory the engine may use (weights + activations + KV)")
-    cpu_kv_cache_gib: float = _opt(1.0, "KV cache size in GiB on the CPU")
-    max_num_seqs: int = _opt(64, "most requests in one step")
-    max_num_batched_tokens: int = _opt(2048, "token budget of one step")
-    max_model_len: Optional[int] = _opt(None, "longest prompt + output (default: the model's context length)")
-    enable_prefix_caching: bool = _opt(True, "reuse KV blocks of identical prompt prefixes")
-    enable_chunked_prefill: bool = _opt(True, "split long prompts across steps to fit the token budget")
-    async_scheduling: bool = _opt(True, "schedule step N+1 while step N runs (token-identical to sync)")
-    max_logprobs: int = _opt(20, "largest logprobs / prompt_logprobs a request may ask for")
-    seed: int = _opt(0, "seed of the default random generator (unseeded requests)")
-    executor: str = _opt("auto", "how workers run: uniproc (in this process), multiproc (one process per rank), "
-                         "ray (Ray actors, for several machines), auto (uniproc for one rank, else multiproc)",
-                         choices=_EXECUTORS)
-    tensor_parallel_size: int = _opt(1, "number of devices (ranks) a model is split across")
-    rpc_timeout_s: float = _opt(300.0, "seconds a worker may take to answer one call before the executor "
-                                "declares it hung and fails (multiproc and ray)")
-    worker_cls: str = _opt("tandem.worker.worker.Worker",
-                           "dotted path of the class each rank runs (a Worker subclass, for extensions and tests)")
-    worker_start_timeout_s: float = _opt(600.0, "seconds worker processes may take to start and load the model")
+    model: Optional[str] = Field(
+        None, description="HF model folder or .gguf file; default: the embedded SmolLM2-135M-Instruct GGUF")
+    tokenizer: Optional[str] = Field(None, description="tokenizer folder (default: the model's)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weight/activation dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cpu, cuda, or auto (cuda when available)")
+    block_size: int = Field(16, description=f"tokens per KV cache block (a power of two, at most {MAX_BLOCK_SIZE})")
+    num_kv_blocks: Optional[int] = Field(
+        None, ge=1, description="number of KV cache blocks (overrides the memory-based sizing)")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="fraction of GPU memory the engine may use (weights + activations + KV)")
+    cpu_kv_cache_gib: float = Field(1.0, gt=0.0, description="KV cache size in GiB on the CPU")
+    max_num_seqs: int = Field(64, ge=1, description="most requests in one step")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
+    max_model_len: Optional[int] = Field(
+        None, ge=1, description="longest prompt + output (default: the model's context length)")
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prompt prefixes")
+    enable_chunked_prefill: bool = Field(True, description="split long prompts across steps to fit the token budget")
+    async_scheduling: bool = Field(True, description="schedule step N+1 while step N runs (token-identical to sync)")
+    max_logprobs: int = Field(20, ge=0, description="largest logprobs / prompt_logprobs a request may ask for")
+    seed: int = Field(0, ge=INT64_MIN, le=INT64_MAX,
+                      description="engine-wide seed of the default random generator, used by requests without "
+                                  "their own seed (not the per-request sampling seed)")
+    executor: Literal["auto", "uniproc", "multiproc", "ray"] = Field(
+        "auto", description="how workers run: uniproc (in this process), multiproc (one process per rank), "
+                            "ray (Ray actors, for several machines), auto (uniproc for one rank, else multiproc)")
+    tensor_parallel_size: int = Field(1, ge=1, description="number of devices (ranks) a model is split across")
+    rpc_timeout_s: float = Field(
+        300.0, gt=0.0, description="seconds a worker may take to answer one call before the executor declares it "
+                                   "hung and fails (multiproc and ray)")
+    worker_cls: str = Field("tandem.worker.worker.Worker", description="dotted path of the class each rank runs "
+                                                                      "(a Worker subclass, for extensions and tests)")
+    worker_start_timeout_s: float = Field(
+        600.0, gt=0.0, description="seconds worker processes may take to start and load the model")
+    attention_backend: Literal["auto", "sdpa", "triton"] = Field(
+        "auto", description="attention kernels: triton (one launch per layer, CUDA graphs), sdpa (torch SDPA; "
+                            "the CPU path and fallback), auto (triton on CUDA when installed, else sdpa)")
+    enforce_eager: bool = Field(
+        False, description="never capture CUDA graphs (decode then launches every kernel from Python)")
 
-    def __post_init__(self) -> None:
-        self.validate()
+    @field_validator("block_size")
+    @classmethod
+    def _block_size_fits_attention(cls, v: int) -> int:
+        """1048576 used to be accepted and the process was OOM-killed building the KV cache."""
+        if not (1 <= v <= MAX_BLOCK_SIZE and v & (v - 1) == 0):
+            raise ValueError(f"block_size must be a power of two <= {MAX_BLOCK_SIZE}, got {show(v)}")
+        return v
 
-    def validate(self) -> None:
-        errors: list[str] = self._type_errors()
-        if errors:
-            raise ValueError("invalid engine config: " + "; ".join(errors))
+    @field_validator("model", "tokenizer")
+    @classmethod
+    def _path_exists(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+        """Fail here, naming the field, rather than deep inside the loader."""
+        if v is not None and not os.path.exists(v):
+            raise ValueError(f"{info.field_name} path {v!r} does not exist (tandem loads local folders and "
+                             ".gguf files; it never downloads from a hub)")
+        return v
 
-        def check(cond: bool, msg: str) -> None:
-            if not cond:
-                errors.append(msg)
+    @field_validator("worker_cls")
+    @classmethod
+    def _dotted_path(cls, v: str) -> str:
+        if not _DOTTED_PATH.fullmatch(v):
+            raise ValueError(f"worker_cls must be a dotted path package.module.Class, got {show(v)}")
+        return v
 
-        check(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        check(self.device in _DEVICES, f"device must be one of {_DEVICES}, got {self.device!r}")
-        check(self.executor in _EXECUTORS, f"executor must be one of {_EXECUTORS}, got {self.executor!r}")
-        check(isinstance(self.block_size, int) and self.block_size >= 1 and (self.block_size & (self.block_size - 1)) == 0,
-              f"block_size must be a power of two >= 1, got {self.block_size!r}")
-        check(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
-              f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
-        check(0.0 < self.gpu_memory_utilization <= 1.0,
-              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        check(self.cpu_kv_cache_gib > 0, f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
-        check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        check(self.max_num_batched_tokens >= 1,
-              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        check(self.max_model_len is None or self.max_model_len >= 1,
-              f"max_model_len must be >= 1, got {self.max_model_len!r}")
-        check(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
-        check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        check(not (self.executor == "uniproc" and self.tensor_parallel_size > 1),
-              f"the uniproc executor runs one rank; tensor_parallel_size={self.tensor_parallel_size} needs "
-              "executor 'multiproc' or 'ray'")
-        check(self.rpc_timeout_s > 0, f"rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
-        check(self.worker_start_timeout_s > 0,
-              f"worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s}")
+    @model_validator(mode="after")
+    def _consistent(self) -> "EngineConfig":
+        """Checks that involve two fields (each field alone is already valid here)."""
+        if self.executor == "uniproc" and self.tensor_parallel_size > 1:
+            raise ValueError(f"the uniproc executor runs one rank; tensor_parallel_size={self.tensor_parallel_size} "
+                             "needs executor 'multiproc' or 'ray'")
         if (not self.enable_chunked_prefill and self.max_model_len is not None
                 and self.max_num_batched_tokens < self.max_model_len):
-            errors.append(
+            raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}), or the longest prompts could never be scheduled"
-            )
-        if self.model is not None and not os.path.exists(self.model):
-            errors.append(f"model path {self.model!r} does not exist (tandem loads local folders and .gguf files; "
-                          "it never downloads from a hub)")
-        if errors:
-            raise ValueError("invalid engine config: " + "; ".join(errors))
-
-    def _type_errors(self) -> list[str]:
-        """Each field must hold its declared type (bool is not an int; an int is a float)."""
-        errors = []
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            t = f.type if isinstance(f.type, str) else str(f.type)
-            optional = "Optional" in t
-            if v is None:
-                if not optional:
-                    errors.append(f"{f.name} must not be None")
-                continue
-            base = t.replace("Optional[", "").rstrip("]")
-            ok = {
-                "bool": isinstance(v, bool),
-                "int": isinstance(v, int) and not isinstance(v, bool),
-                "float": isinstance(v, (int, float)) and not isinstance(v, bool),
-                "str": isinstance(v, str),
-            }.get(base, True)
-            if not ok:
-                errors.append(f"{f.name} must be of type {base}, got {type(v).__name__} {v!r}")
-        return errors
+                f"max_model_len ({self.max_model_len}), or the longest prompts could never be scheduled")
+        return self
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -133,30 +120,35 @@ class EngineConfig:
             return self.executor
         return "uniproc" if self.tensor_parallel_size == 1 else "multiproc"
 
-    # -- CLI mirroring -------------------------------------------------------------
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """Add one flag per field (``--max-num-seqs``; booleans get ``--x / --no-x``)."""
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help", "")
-            default = f.default
-            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-            if "bool" in kind:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                    help=help_text)
-                continue
-            if "int" in kind:
-                conv: Any = int
-            elif "float" in kind:
-                conv = float
-            else:
-                conv = str
-            kwargs: dict[str, Any] = {"type": conv, "default": default, "help": help_text}
-            if "choices" in f.metadata:
-                kwargs["choices"] = f.metadata["choices"]
-            parser.add_argument(flag, **kwargs)
 
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+def available_memory_bytes() -> Optional[int]:
+    """Memory the kernel can hand out now without swapping (``MemAvailable``), or None if unknown.
+
+    Read from ``/proc/meminfo`` on Linux (no psutil dependency), else from ``os.sysconf``.
+    """
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_cpu_memory(gib: float, what: str = "cpu_kv_cache_gib") -> None:
+    """Refuse to allocate ``gib`` GiB of host memory that the machine does not have.
+
+    Without this, a KV cache larger than RAM is allocated page by page while the model
+    runs, and the kernel kills the process tens of seconds later with no message.
+    """
+    available = available_memory_bytes()
+    if available is None:
+        logger.debug("available memory unknown; not checking %s=%s", what, gib)
+        return
+    if gib * _GIB > available:
+        raise ValueError(f"{what} needs {gib:.2f} GiB, but only {available / _GIB:.2f} GiB of memory is available "
+                         "on this machine (MemAvailable); lower it")

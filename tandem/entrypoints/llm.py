@@ -1,32 +1,205 @@
-"""Offline batch inference: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+"""Offline batch inference: ``LLM(model=...).generate(prompts, SamplingParams(...))``.
+
+Everything a user can get wrong is refused here or in the engine's input processor with a
+message that names the problem, before any of it reaches the engine core: the model files
+and the machine are checked before the weights load (``prepare_model``), the shape of each
+call's arguments before any request is added. A refused call leaves the ``LLM`` usable.
+"""
 from __future__ import annotations
 
 import itertools
 import logging
+import numbers
+import os
+import struct
 from typing import Any, Optional, Sequence, Union
 
 from tqdm import tqdm
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, EnvSwitches, ModelConfig
+from tandem.config.engine import check_cpu_memory
 from tandem.engine.llm_engine import LLMEngine, RequestError
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
+from tandem.validation import show
 
 logger = logging.getLogger(__name__)
 
 PromptType = Union[str, Sequence[int]]
+Conversation = list[dict[str, Any]]
+
+_GIB = 1 << 30
+# What a truncated or corrupt GGUF file raises from the readers (struct, numpy, gguf).
+_GGUF_READ_ERRORS = (struct.error, ValueError, KeyError, IndexError, EOFError)
+
+
+# -- the model and the machine, checked before the weights load ---------------------------------
+def prepare_model(config: EngineConfig) -> ModelConfig:
+    """Resolve the model without loading weights, and refuse what would fail later.
+
+    A truncated GGUF, an unreadable tokenizer, ``device="cuda"`` without a GPU, a
+    ``worker_cls`` that cannot be imported and a KV cache larger than the machine's memory
+    each fail here with one clear ``ValueError``, instead of a traceback from deep inside
+    the loader, a worker, or the kernel's OOM killer tens of seconds later.
+    """
+    from tandem.models.loader import default_model_path
+    from tandem.models.model_config import resolve_model_config
+
+    env = EnvSwitches.from_environ()
+    folder = _resolve_model_files(config.model or default_model_path(), env)
+    _check_tokenizer(_resolve_model_files(config.tokenizer, env) if config.tokenizer else folder)
+    model_config = resolve_model_config(config, env)  # reuses the conversion and the tokenizer above
+    _check_device(model_config.device)
+    _check_worker_cls(config.worker_cls)
+    _check_kv_memory(config, model_config)
+    return model_config
+
+
+def _resolve_model_files(path: str, env: EnvSwitches) -> str:
+    """The HF folder for ``path``; a GGUF file that cannot be read is named, not dumped."""
+    from tandem.models.loader import resolve_model
+
+    if not (os.path.isfile(path) and path.lower().endswith(".gguf")):
+        return resolve_model(path, env.cache_root)
+    try:
+        return resolve_model(path, env.cache_root)
+    except _GGUF_READ_ERRORS as e:
+        raise ValueError(f"cannot read the GGUF file {path}: it is truncated or corrupt "
+                         f"({type(e).__name__}: {e})") from e
+
+
+def _check_tokenizer(folder: str) -> None:
+    from tandem.models.loader import load_tokenizer
+
+    try:
+        load_tokenizer(folder)  # cached: the engine gets this same object
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"cannot load a tokenizer from {folder}: {e}") from e
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but no CUDA GPU is usable here "
+                         "(torch.cuda.is_available() is False); use device 'cpu' or 'auto'")
+
+
+def _check_worker_cls(path: str) -> None:
+    from tandem.worker.worker import resolve_worker_class
+
+    try:
+        resolve_worker_class(path)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"worker_cls {path!r} cannot be imported: {e}") from e
+
+
+def _check_kv_memory(config: EngineConfig, model_config: ModelConfig) -> None:
+    """The CPU KV cache of every rank must fit in the memory available now."""
+    if model_config.device != "cpu":
+        return
+    tp = config.tensor_parallel_size
+    if config.num_kv_blocks is not None:
+        gib = config.num_kv_blocks * model_config.kv_block_bytes(config.block_size, tp) * tp / _GIB
+        what = f"the KV cache (num_kv_blocks={config.num_kv_blocks} of block_size {config.block_size})"
+    else:
+        gib = config.cpu_kv_cache_gib * tp
+        what = f"the KV cache (cpu_kv_cache_gib={config.cpu_kv_cache_gib}" + (f" x {tp} ranks)" if tp > 1 else ")")
+    check_cpu_memory(gib, what)
+
+
+# -- the shape of each call's arguments ---------------------------------------------------------
+def normalize_prompts(prompts: Any) -> list[PromptType]:
+    """A prompt or a list of them, as a list; token ids checked to be ints.
+
+    Wrong argument types raise ``TypeError``; wrong values (no prompt, a float among
+    token ids) ``ValueError``. A list whose first item is a number is one token-id prompt.
+    """
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError("prompts must be a string, a list of token ids, or a list of those; "
+                        f"got {type(prompts).__name__} {show(prompts)}")
+    if not prompts:
+        raise ValueError("no prompts given: pass at least one prompt")
+    if not isinstance(prompts[0], (str, list, tuple)):
+        return [_token_ids(prompts, 0)]
+    return [p if isinstance(p, str) else _token_ids(p, i) for i, p in enumerate(prompts)]
+
+
+def _token_ids(prompt: Any, index: int) -> list[int]:
+    if not isinstance(prompt, (list, tuple)):
+        raise TypeError(f"prompt {index} must be a string or a list of token ids, "
+                        f"got {type(prompt).__name__} {show(prompt)}")
+    ids = []
+    for pos, t in enumerate(prompt):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"prompt {index}: token ids must be integers, got {type(t).__name__} {show(t)} "
+                             f"at position {pos}")
+        ids.append(int(t))  # numpy / torch integers become plain ints
+    return ids
+
+
+def normalize_sampling_params(sampling_params: Any, count: int) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt; a dict of fields is refused with the fix."""
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    if isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):
+        if len(sampling_params) != count:
+            raise ValueError(f"got {count} prompts but {len(sampling_params)} sampling params")
+        return list(sampling_params)
+    kind = type(sampling_params).__name__
+    if isinstance(sampling_params, (list, tuple)):
+        kind += " holding " + ", ".join(sorted({type(p).__name__ for p in sampling_params}))
+    hint = "; build one with SamplingParams(**fields)" if isinstance(sampling_params, dict) else ""
+    raise TypeError(f"sampling_params must be a SamplingParams (or a list of them), got {kind}{hint}")
+
+
+def check_messages(messages: Any) -> Conversation:
+    """A conversation: a non-empty list of ``{"role": str, "content": str}`` dicts."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects, "
+                         f"got {type(messages).__name__} {show(messages)}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"message {i} must be an object with 'role' and 'content', "
+                             f"got {type(m).__name__} {show(m)}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise ValueError(f"message {i} needs a string {key!r}, got {show(m.get(key))}")
+    return messages
+
+
+def normalize_conversations(messages: Any) -> list[Conversation]:
+    """One conversation (a list of message dicts) or a list of conversations, as a list."""
+    if isinstance(messages, list) and messages and all(isinstance(c, list) for c in messages):
+        return [check_messages(c) for c in messages]
+    return [check_messages(messages)]
 
 
 class LLM:
     """Load a model once, then run batches of prompts through the engine.
 
     Keyword arguments are ``EngineConfig`` fields (``max_num_seqs=...``,
-    ``async_scheduling=False``, ...). ``model=None`` uses the embedded SmolLM2 GGUF.
+    ``async_scheduling=False``, ...); an unknown one is refused with the closest field
+    named. ``model=None`` uses the embedded SmolLM2 GGUF.
     """
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
-        self.config = EngineConfig(model=model, **kwargs)
-        self.engine = LLMEngine(self.config)
+        self._start(EngineConfig(model=model, **kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, model_config: Optional[ModelConfig] = None) -> "LLM":
+        """An ``LLM`` for a validated config; ``model_config`` from ``prepare_model`` saves resolving twice."""
+        llm = cls.__new__(cls)
+        llm._start(config, model_config)
+        return llm
+
+    def _start(self, config: EngineConfig, model_config: Optional[ModelConfig] = None) -> None:
+        self.config = config
+        self.engine = LLMEngine(config, model_config=model_config or prepare_model(config))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -38,20 +211,20 @@ class LLM:
         sampling_params: Optional[SamplingParams | Sequence[SamplingParams]] = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
-                  else list(sampling_params))
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        ids = []
+        """Run every prompt to completion. A bad prompt or parameter rejects the whole call
+        (``ValueError``/``TypeError`` naming the prompt) and leaves nothing running."""
+        prompt_list = normalize_prompts(prompts)
+        params = normalize_sampling_params(sampling_params, len(prompt_list))
+        ids: list[str] = []
         try:
-            for p, sp in zip(prompts, params):
+            for i, (p, sp) in enumerate(zip(prompt_list, params)):
                 rid = f"gen-{next(self._ids)}"
-                self.engine.add_request(rid, p, sp)
+                try:
+                    self.engine.add_request(rid, p, sp)
+                except ValueError as e:
+                    if len(prompt_list) == 1:
+                        raise
+                    raise ValueError(f"prompt {i}: {e}") from e
                 ids.append(rid)
         except Exception:
             for rid in ids:  # a bad prompt rejects the whole call, leaving nothing behind
@@ -62,12 +235,12 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: Conversation | list[Conversation],
         sampling_params: Optional[SamplingParams | Sequence[SamplingParams]] = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.apply_chat_template(c) for c in convs]  # type: ignore[arg-type]
+        convs = normalize_conversations(messages)
+        prompts = [self.engine.apply_chat_template(c) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
