@@ -222,12 +222,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("kernel_bench: no CUDA device here; nothing to check or time (run it on the GPU machine).")
         return 0
-    import tandem.kernels as K
+    from tandem.kernels import triton_available
 
-    if not K.triton_available():
+    if not triton_available():
         print("kernel_bench: triton is not installed; pip install triton.")
         return 0
     import triton
+
+    import tandem.kernels.attention as K
 
     print(f"device: {torch.cuda.get_device_name(0)} | torch {torch.__version__} | triton {triton.__version__}")
     print(f"shape: {args.heads} q heads, {args.kv_heads} kv heads, head_dim {args.head_dim}, "

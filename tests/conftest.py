@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels can only run interpreted here; set it before anything imports Triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from proc_utils import live_children
 
 

@@ -1,7 +1,7 @@
 """Pure-torch references for the paged-attention kernels (no Triton needed).
 
-They take exactly the arguments of :func:`tandem.kernels.paged_attention.paged_attention` and
-:func:`~tandem.kernels.paged_attention.write_kv_cache`, but read the metadata back to the host
+They take exactly the arguments of :func:`tandem.kernels.attention.paged_attention` and
+:func:`~tandem.kernels.attention.write_kv_cache`, but read the metadata back to the host
 and loop over sequences, so they are slow, simple and obviously right. Tests and the
 benchmark compare the kernels against them; ``compute_dtype`` lets a test run the reference
 in float64.

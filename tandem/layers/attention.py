@@ -9,7 +9,7 @@ metadata arrives through a forward context set by the model runner, so model cod
 free of scheduling concepts.
 
 Backends (``EngineConfig.attention_backend``):
-* ``triton`` — ``tandem.kernels.paged_attention``: one launch per layer for the whole batch
+* ``triton`` — ``tandem.kernels.attention``: one launch per layer for the whole batch
   (prefill, chunked prefill over a cached prefix, and decode with GQA and split-KV),
   graph-capturable; the GPU fast path.
 * ``sdpa`` — torch SDPA: decode tokens (one query per sequence) batched into one padded
@@ -194,7 +194,7 @@ class Attention(torch.nn.Module):
     # -- Triton ------------------------------------------------------------------
     def _triton(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
-        from tandem.kernels import paged_attention, write_kv_cache
+        from tandem.kernels.attention import paged_attention, write_kv_cache
 
         write_kv_cache(k, v, kv, md.slot_mapping)
         out = torch.empty_like(q)

@@ -100,6 +100,7 @@ class RotaryEmbedding(nn.Module):
             sin = freqs.sin() * self.attention_scaling
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
+        self.fused = False  # one in-place Triton kernel for q and k (tandem.kernels.fused)
 
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_position={self.max_position}, "
@@ -119,6 +120,11 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((o1, o2, x[..., self.rotary_dim:]), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            from tandem.kernels.fused import rotary_embedding_
+
+            rotary_embedding_(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim, self.rotary_dim)
+            return q, k
         T = positions.shape[0]
         cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)

@@ -71,6 +71,11 @@ class Sampler(torch.nn.Module):
     """Batched sampler; stateless, so one instance can serve every step."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if (metadata.all_greedy and metadata.max_num_logprobs is None and metadata.min_tokens_rows is None
+                and metadata.repetition_penalty is None):
+            # Plain greedy: argmax in the model dtype picks the same token as in fp32 (the
+            # conversion is exact and monotonic) without writing a float32 copy of the logits.
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
         # float32 for numerically stable softmax / cumsum regardless of model dtype.
         # Everything below is out-of-place, so the caller's logits are never modified
         # (``.to`` returns the same tensor when it is already float32).
@@ -131,9 +136,11 @@ class Sampler(torch.nn.Module):
 
 
 def apply_min_tokens_mask(logits: torch.Tensor, rows: torch.Tensor, cols: Optional[torch.Tensor]) -> torch.Tensor:
-    """Forbid stop/EOS tokens for rows that have not yet produced ``min_tokens``."""
+    """Forbid stop/EOS tokens for rows that have not yet produced ``min_tokens``.
+
+    A fill at flat indices: ``logits[rows, cols] = -inf`` (index_put) synchronizes on CUDA."""
     logits = logits.clone()
-    logits[rows, cols] = float("-inf")
+    logits.view(-1).index_fill_(0, rows * logits.shape[1] + cols, float("-inf"))
     return logits
 
 

@@ -189,8 +189,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits (float32) on every rank: a collective under tensor parallelism."""
-        return self.lm_head(hidden_states).float()
+        """Full-vocabulary logits (in the model dtype) on every rank: a collective under tensor
+        parallelism. The sampler upcasts to float32 only when it needs more than an argmax."""
+        return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors into our (partly fused) parameters.

@@ -129,9 +129,11 @@ class KVCacheManager:
     # -- hashing -------------------------------------------------------------------
     def _update_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` over every full block of *real* tokens."""
-        tokens = request.all_token_ids
         bs = self.block_size
         hashes = request.block_hashes
+        if (len(hashes) + 1) * bs > request.num_tokens:
+            return  # no new full block (the common case: checked before copying the tokens)
+        tokens = request.all_token_ids
         while (len(hashes) + 1) * bs <= len(tokens):
             j = len(hashes)
             parent = hashes[-1] if hashes else _ROOT_HASH
@@ -159,8 +161,21 @@ class KVCacheManager:
     ) -> Optional[list[int]]:
         """Make room for ``num_new_tokens`` more tokens; return the new block ids or None."""
         key = id(request)
-        owned = self.req_blocks.get(key, [])
-        computed_blocks = computed_blocks or []
+        owned = self.req_blocks.get(key)
+        n_owned = 0 if owned is None else len(owned)
+        if not computed_blocks:  # the per-step path of a running request: usually no new block
+            need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - n_owned
+            if need <= 0:
+                return []
+            if need > self.pool.num_free_blocks:
+                return None
+            new = self.pool.allocate(need)
+            if owned is None:
+                self.req_blocks[key] = new
+            else:
+                owned.extend(new)
+            return [b.block_id for b in new]
+        owned = owned or []
         total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         need = self.blocks_needed(total) - len(owned) - len(computed_blocks)
         # Cached hits that sit in the free queue are consumed by touching them.

@@ -57,8 +57,8 @@ class StagingBuffer:
         if self.cuda:
             self._cur ^= 1
             ev = self._events[self._cur]
-            if ev is not None:
-                ev.synchronize()  # the copy that last read this host buffer is done
+            if ev is not None and not ev.query():
+                ev.synchronize()  # the copy that last read this host buffer is not done yet
             self._np = self._hosts[self._cur].numpy()
         self.offset = at
 

@@ -15,6 +15,7 @@ import torch
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.distributed import init_tensor_parallel
+from tandem.layers import use_fused_kernels
 from tandem.layers.attention import resolve_backend
 from tandem.types.scheduler_output import SchedulerOutput
 from tandem.worker.async_output import AsyncModelOutput
@@ -57,6 +58,8 @@ class Worker:
         if not config.enforce_eager and device.type == "cuda" and not graphs:
             logger.info("CUDA graphs off (attention backend %s, tensor_parallel_size %d): decode runs eagerly",
                         backend, world_size)
+        if backend == "triton":
+            use_fused_kernels(self.model)
         self.runner = ModelRunner(self.model, model_config.vocab_size, config.block_size, model_config.max_model_len,
                                   config.max_num_seqs, config.max_num_batched_tokens, self.device, self.dtype,
                                   attention_backend=backend, cuda_graphs=graphs)

@@ -7,6 +7,7 @@ the LM head sharpened so greedy choices are rarely near-ties; prompts are token 
 from __future__ import annotations
 
 import random
+import traceback
 from pathlib import Path
 
 import pytest
@@ -97,8 +98,9 @@ def test_bf16_triton_matches_sdpa_on_most_prompts(sharp_model, capsys):
         got = _tokens(fast, prompts, sp)
     same = sum(g == w for g, w in zip(got, want))
     firsts = sorted(_first_divergence(g, w) for g, w in zip(got, want) if g != w)
-    print(f"bf16 triton vs sdpa: {same}/{len(prompts)} prompts identical; first differing positions {firsts}")
-    assert same >= 0.75 * len(prompts)
+    msg = f"bf16 triton vs sdpa: {same}/{len(prompts)} prompts identical; first differing positions {firsts}"
+    print(msg)
+    assert same >= 0.75 * len(prompts), msg
 
 
 def test_decode_launches_have_no_hidden_synchronization(sharp_model):
@@ -110,11 +112,15 @@ def test_decode_launches_have_no_hidden_synchronization(sharp_model):
         runner = llm.engine.core.executor.worker.runner
         llm.generate(_prompts(4, 5, 20), SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm
         launch = runner.execute_model
+        errors: list[str] = []
 
         def checked(so):
             torch.cuda.set_sync_debug_mode("error")
             try:
                 return launch(so)
+            except Exception:
+                errors.append(traceback.format_exc())
+                raise
             finally:
                 torch.cuda.set_sync_debug_mode("default")
 
@@ -124,7 +130,10 @@ def test_decode_launches_have_no_hidden_synchronization(sharp_model):
                   SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=24, ignore_eos=True),
                   SamplingParams(temperature=1.0, repetition_penalty=1.2, presence_penalty=0.5, max_tokens=24,
                                  min_tokens=4, ignore_eos=True)]
-        outs = llm.generate(prompts, [params[i % 3] for i in range(len(prompts))], use_tqdm=False)
+        try:
+            outs = llm.generate(prompts, [params[i % 3] for i in range(len(prompts))], use_tqdm=False)
+        finally:
+            assert not errors, errors[0]
         assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
         assert runner.stats_graph_steps > 0
 

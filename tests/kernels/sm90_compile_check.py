@@ -31,8 +31,8 @@ except Exception as e:  # noqa: BLE001
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import importlib  # noqa: E402
 
-importlib.import_module("tandem.kernels.paged_attention")
-pa = sys.modules["tandem.kernels.paged_attention"]
+importlib.import_module("tandem.kernels.attention")
+pa = sys.modules["tandem.kernels.attention"]
 
 TARGET = GPUTarget("cuda", 90, 32)
 UNIT_STRIDES = ("stride_qd", "stride_od", "stride_cd", "stride_kd", "stride_vd")

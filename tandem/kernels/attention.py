@@ -61,7 +61,6 @@ shapes (inside a graph they come from its private pool). Capture with fixed
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Optional
 
 import torch
@@ -129,7 +128,9 @@ def _find_seq(qsl_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialized on (Triton would
+# otherwise compile a variant per value class: == 1, divisible by 16, other).
+@triton.jit(do_not_specialize=["num_seqs", "tiles_per_seq", "window"])
 def _paged_attn_kernel(
     q_ptr,
     cache_ptr,
@@ -265,7 +266,7 @@ def _paged_attn_kernel(
         tl.store(part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _merge_splits_kernel(
     out_ptr,
     part_acc_ptr,
@@ -525,11 +526,3 @@ def paged_attention(
             num_warps=4 if head_dim_pad >= 128 else 2,
         )
     return out
-
-
-
-
-# Keep ``tandem.kernels.<name>`` pointing at these functions, also after importlib.reload.
-_package = sys.modules.get(__package__ or "")
-if _package is not None and hasattr(_package, "_bind_kernels"):
-    _package._bind_kernels(sys.modules[__name__])
