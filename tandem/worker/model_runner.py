@@ -245,7 +245,7 @@ class ModelRunner:
         max_model_len, so a batch gives the same numbers whether a graph runs it or not."""
         if self.backend != "triton":
             return 1
-        from tandem.kernels import choose_num_kv_splits
+        from tandem.kernels.attention import choose_num_kv_splits
 
         return choose_num_kv_splits(self._bucket(num_seqs), self.num_kv_heads, 1, self.max_model_len, self.num_sms)
 
