@@ -67,8 +67,9 @@ class LLMEngine:
         return self.output_processor.has_unfinished_requests() or self.core.has_work()
 
     # -- output --------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        processed = self.output_processor.process_outputs(self.core.step())
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One core step; ``final_only`` returns outputs of finished requests only."""
+        processed = self.output_processor.process_outputs(self.core.step(), final_only)
         if processed.core_aborts:
             self.core.abort_requests(processed.core_aborts)
         for r in processed.core_adds:

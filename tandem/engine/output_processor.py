@@ -140,7 +140,10 @@ class OutputProcessor:
             self._child_of.pop(c.core_id, None)
 
     # -- outputs -------------------------------------------------------------------------
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+    def process_outputs(self, outputs: list[EngineCoreOutput], final_only: bool = False) -> ProcessedOutputs:
+        """``final_only``: build a ``RequestOutput`` only for requests that finished (offline
+        generation reads nothing else; building one per request per step copies every
+        token list and costs a large share of a step's host time at high batch sizes)."""
         now = time.monotonic()
         result = ProcessedOutputs([], [], [], IterationStats())
         result.stats.finished, self._aborted = self._aborted, []
@@ -153,9 +156,11 @@ class OutputProcessor:
             self._apply(state, child, out, now, result)
             touched[state.request_id] = state
         for state in touched.values():
-            result.request_outputs.append(self._make_output(state))
             if state.finished:
+                result.request_outputs.append(self._make_output(state))
                 self._forget(state)
+            elif not final_only:
+                result.request_outputs.append(self._make_output(state))
         return result
 
     def _apply(self, state: RequestState, child: _Child, out: EngineCoreOutput, now: float,

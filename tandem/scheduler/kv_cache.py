@@ -194,12 +194,14 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         key = id(request)
+        start = self.req_num_hashed.get(key, 0)
+        if (start + 1) * self.block_size > num_real_computed:
+            return  # no block filled since the last call (most decode steps)
         blocks = self.req_blocks.get(key)
         if not blocks:
             return
         self._update_hashes(request)
         n_full = min(num_real_computed // self.block_size, len(request.block_hashes), len(blocks))
-        start = self.req_num_hashed.get(key, 0)
         for j in range(start, n_full):
             self.pool.set_hash(blocks[j], request.block_hashes[j])
         if n_full > start:
