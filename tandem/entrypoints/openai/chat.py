@@ -8,7 +8,7 @@ from starlette.responses import JSONResponse, Response
 
 from tandem.entrypoints.openai.errors import bad_request
 from tandem.entrypoints.openai.protocol import ChatCompletionRequest
-from tandem.entrypoints.openai.serving import SSE_DONE, ChoiceTracker, OpenAIServing, created, sse, usage
+from tandem.entrypoints.openai.serving import SSE_DONE, UNFINISHED, ChoiceTracker, OpenAIServing, created, sse, usage
 from tandem.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -93,6 +93,10 @@ class ChatServing(OpenAIServing):
                 yield sse({**head, "choices": choices})
             if out.finished:
                 final = out
-        if include_usage and final is not None:
+        if final is None:  # aborted by the server (shutting down): not a normal end
+            yield self.error_event(UNFINISHED)
+            yield SSE_DONE
+            return
+        if include_usage:
             yield sse({**head, "choices": [], "usage": usage([prompt_len], [final])})
         yield SSE_DONE

@@ -7,8 +7,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tandem.entrypoints.openai.protocol import CompletionRequest
-from tandem.entrypoints.openai.serving import (SSE_DONE, ChoiceTracker, OpenAIServing, created, sse,
-                                               usage)
+from tandem.entrypoints.openai.serving import SSE_DONE, UNFINISHED, ChoiceTracker, OpenAIServing, created, sse, usage
 from tandem.outputs import CompletionOutput, RequestOutput
 
 # Completions default to 16 tokens (OpenAI's default for this endpoint).
@@ -84,6 +83,10 @@ class CompletionServing(OpenAIServing):
                 yield sse({**head, "choices": choices})
             if out.finished:
                 finals[i] = out
+        if len(finals) < len(streams):  # aborted by the server (shutting down): not a normal end
+            yield self.error_event(UNFINISHED)
+            yield SSE_DONE
+            return
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage(prompt_lens, list(finals.values()))})
         yield SSE_DONE

@@ -44,6 +44,7 @@ def sse(data: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+UNFINISHED = "the request was aborted before it finished (the server is shutting down)"
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -145,7 +146,7 @@ class OpenAIServing:
             async for out in stream:
                 pass
             if out is None or not out.finished:
-                raise EngineDeadError("the request ended without a final output")
+                raise APIError(503, UNFINISHED, code="aborted")
             return out
 
         results = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
