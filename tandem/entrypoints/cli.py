@@ -38,9 +38,10 @@ SAMPLING_DESTS = {"seed": "sampling_seed"}
 _DEFAULT_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 _ROW_KEYS = ["prompt", "messages", "sampling_params"]
 # Exceptions that mean the user asked for something wrong, not that tandem is broken.
-_USER_ERRORS = (ValueError, OSError, struct.error, ImportError)
-_USER_ERROR_NAMES = {"ValueError", "FileNotFoundError", "OSError", "PermissionError", "error", "ImportError",
-                     "ModuleNotFoundError"}
+# (worker_cls import failures are turned into ValueError before the engine starts; any other
+# ImportError is tandem's own fault.)
+_USER_ERRORS = (ValueError, OSError, struct.error)
+_USER_ERROR_NAMES = {"ValueError", "FileNotFoundError", "OSError", "PermissionError", "error"}
 
 
 class CliError(Exception):

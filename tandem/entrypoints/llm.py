@@ -31,6 +31,8 @@ Conversation = list[dict[str, Any]]
 _GIB = 1 << 30
 # What a truncated or corrupt GGUF file raises from the readers (struct, numpy, gguf).
 _GGUF_READ_ERRORS = (struct.error, ValueError, KeyError, IndexError, EOFError)
+# Any one of these lets transformers build a tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
 
 # -- the model and the machine, checked before the weights load ---------------------------------
@@ -42,11 +44,12 @@ def prepare_model(config: EngineConfig) -> ModelConfig:
     each fail here with one clear ``ValueError``, instead of a traceback from deep inside
     the loader, a worker, or the kernel's OOM killer tens of seconds later.
     """
-    from tandem.models.loader import default_model_path
+    from tandem.models.loader import default_model_path, load_hf_config
     from tandem.models.model_config import resolve_model_config
 
     env = EnvSwitches.from_environ()
     folder = _resolve_model_files(config.model or default_model_path(), env)
+    load_hf_config(folder)  # a broken config.json is named as such, not as a tokenizer problem
     _check_tokenizer(_resolve_model_files(config.tokenizer, env) if config.tokenizer else folder)
     model_config = resolve_model_config(config, env)  # reuses the conversion and the tokenizer above
     _check_device(model_config.device)
@@ -64,13 +67,16 @@ def _resolve_model_files(path: str, env: EnvSwitches) -> str:
     try:
         return resolve_model(path, env.cache_root)
     except _GGUF_READ_ERRORS as e:
-        raise ValueError(f"cannot read the GGUF file {path}: it is truncated or corrupt "
-                         f"({type(e).__name__}: {e})") from e
+        kind = type(e).__name__ if type(e).__module__ == "builtins" else f"{type(e).__module__}.{type(e).__name__}"
+        raise ValueError(f"cannot read the GGUF file {path}: it is truncated or corrupt ({kind}: {e})") from e
 
 
 def _check_tokenizer(folder: str) -> None:
     from tandem.models.loader import load_tokenizer
 
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in _TOKENIZER_FILES):
+        raise ValueError(f"cannot load a tokenizer from {folder}: it has none of {', '.join(_TOKENIZER_FILES)}; "
+                         "add them or pass a tokenizer folder (--tokenizer)")
     try:
         load_tokenizer(folder)  # cached: the engine gets this same object
     except (OSError, ValueError, TypeError) as e:
@@ -122,7 +128,7 @@ def normalize_prompts(prompts: Any) -> list[PromptType]:
                         f"got {type(prompts).__name__} {show(prompts)}")
     if not prompts:
         raise ValueError("no prompts given: pass at least one prompt")
-    if not isinstance(prompts[0], (str, list, tuple)):
+    if isinstance(prompts[0], numbers.Number):
         return [_token_ids(prompts, 0)]
     return [p if isinstance(p, str) else _token_ids(p, i) for i, p in enumerate(prompts)]
 
@@ -249,7 +255,7 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while len(final) < len(ids):
-                for out in self.engine.step():
+                for out in self.engine.step(final_only=True):
                     if out.finished and out.request_id in wanted:
                         final[out.request_id] = out
                         bar.update(1)
