@@ -1,0 +1,190 @@
+"""AsyncLLM without HTTP: the same outputs as the offline engine with the core in a thread or
+in its own process; aborts free blocks; a dead or hung core fails every pending request."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from proc_utils import pid_alive
+from tandem import LLM, SamplingParams
+from tandem.config import EngineConfig
+from tandem.engine.async_llm import AsyncLLM
+from tandem.engine.messages import EngineDeadError
+
+pytestmark = pytest.mark.timeout(300)
+
+ENGINE = dict(max_model_len=256, num_kv_blocks=128, block_size=16)
+
+
+def workload() -> list[tuple[list[int], SamplingParams]]:
+    return [
+        ([5, 6, 7], SamplingParams(temperature=0, max_tokens=12)),
+        ([9, 20, 21, 22], SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=10, logprobs=2)),
+        ([30, 31], SamplingParams(temperature=0, max_tokens=16, stop=["t40", "t41"], ignore_eos=True)),
+        ([8] * 20, SamplingParams(temperature=0.8, seed=9, max_tokens=8, min_tokens=4, stop_token_ids=[50])),
+        ([44, 45, 46], SamplingParams(temperature=0, max_tokens=6, presence_penalty=1.0, repetition_penalty=1.2)),
+    ]
+
+
+async def run_all(engine: AsyncLLM) -> list:
+    async def one(i: int, prompt: list[int], sp: SamplingParams):
+        last = None
+        async for out in engine.generate(f"r{i}", prompt, sp):
+            last = out
+        return last
+
+    return await asyncio.gather(*(one(i, p, sp) for i, (p, sp) in enumerate(workload())))
+
+
+def summary(outs) -> list:
+    return [[(c.text, c.token_ids, c.finish_reason, c.stop_reason, None if c.logprobs is None else len(c.logprobs))
+             for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    with LLM(tiny_llama, **ENGINE) as llm:
+        prompts, params = zip(*workload())
+        return summary(llm.generate(list(prompts), list(params), use_tqdm=False))
+
+
+@pytest.mark.parametrize("core", ["thread", "process"])
+def test_same_outputs_as_offline(tiny_llama, reference, core):
+    async def main():
+        engine = AsyncLLM(EngineConfig(model=tiny_llama, **ENGINE), engine_core=core)
+        try:
+            outs = await run_all(engine)
+            assert all(o.finished and o.error is None for o in outs)
+            return summary(outs)
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(main()) == reference
+
+
+def test_abort_frees_blocks_and_stop_strings_stop_the_core(tiny_llama):
+    async def main():
+        engine = AsyncLLM(EngineConfig(model=tiny_llama, **ENGINE), engine_core="thread")
+        try:
+            n = 0
+            async for _ in engine.generate("long", [5, 6], SamplingParams(max_tokens=200, ignore_eos=True)):
+                n += 1
+                if n == 3:
+                    break  # leaving the iterator aborts the request
+            await wait_idle(engine)
+            first = None
+            async for out in engine.generate("g", [30, 31], SamplingParams(temperature=0, max_tokens=3)):
+                first = out
+            word = first.outputs[0].text.split()[1]
+            async for out in engine.generate("s", [30, 31], SamplingParams(temperature=0, max_tokens=200, stop=[word],
+                                                                          ignore_eos=True)):
+                pass
+            assert out.outputs[0].finish_reason == "stop" and len(out.outputs[0].token_ids) == 2
+            await wait_idle(engine)  # the core stopped the request too, long before 200 tokens
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+async def wait_idle(engine: AsyncLLM, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = engine.latest_stats
+        if s.num_running == 0 and s.num_waiting == 0 and s.num_free_kv_blocks == s.num_kv_blocks:
+            return
+        assert time.monotonic() < deadline, f"still busy after {timeout_s} s: {s}"
+        await asyncio.sleep(0.02)
+
+
+def test_bad_requests_are_refused_before_the_core(tiny_llama):
+    async def main():
+        engine = AsyncLLM(EngineConfig(model=tiny_llama, max_model_len=256, num_kv_blocks=4, block_size=16),
+                          engine_core="thread")
+        try:
+            with pytest.raises(ValueError, match="max_model_len"):
+                engine.add_request("a", [5] * 300, SamplingParams())
+            with pytest.raises(ValueError, match="KV blocks"):
+                engine.add_request("b", [5], SamplingParams(max_tokens=100))  # 7 blocks; the cache has 4
+            engine.add_request("c", [5], SamplingParams(max_tokens=2))
+            with pytest.raises(ValueError, match="already in use"):
+                engine.add_request("c", [5], SamplingParams(max_tokens=2))
+            await wait_idle(engine)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_killed_core_fails_every_pending_request(tiny_llama):
+    async def main():
+        engine = AsyncLLM(EngineConfig(model=tiny_llama, **ENGINE))
+        pid = engine.client.pid
+        try:
+            streams = [engine.add_request(f"k{i}", [5, 6 + i], SamplingParams(max_tokens=240, ignore_eos=True))
+                       for i in range(4)]
+            for s in streams:
+                await s.__anext__()
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            finals = [await asyncio.wait_for(last(s), 5) for s in streams]
+            assert time.monotonic() - t0 < 5
+            assert all(f.error is not None and "SIGKILL" in f.error for f in finals)
+            assert all(c.finish_reason == "error" for f in finals for c in f.outputs)
+            assert not engine.is_running
+            with pytest.raises(EngineDeadError):
+                engine.add_request("late", [5], SamplingParams())
+        finally:
+            await engine.shutdown()
+        assert not pid_alive(pid)
+
+    asyncio.run(main())
+
+
+def test_hung_core_fails_pending_requests_and_is_killed(tiny_llama, monkeypatch):
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+
+    async def main():
+        config = EngineConfig(model=tiny_llama, worker_cls="hang_worker.HangWorker", **ENGINE)
+        engine = AsyncLLM(config, hang_timeout_s=3.0)
+        pid = engine.client.pid
+        try:
+            ok = engine.add_request("ok", [5, 6], SamplingParams(max_tokens=2))
+            assert (await last(ok)).error is None
+            stuck = engine.add_request("stuck", [5, 99], SamplingParams(max_tokens=2))
+            t0 = time.monotonic()
+            final = await asyncio.wait_for(last(stuck), 15)
+            assert "hung" in final.error and 2.5 < time.monotonic() - t0 < 10
+            assert not engine.is_running
+        finally:
+            await engine.shutdown()
+        assert not pid_alive(pid)
+
+    asyncio.run(main())
+
+
+def test_shutdown_ends_live_streams(tiny_llama):
+    async def main():
+        engine = AsyncLLM(EngineConfig(model=tiny_llama, **ENGINE))
+        pid = engine.client.pid
+        stream = engine.add_request("x", [5, 6], SamplingParams(max_tokens=240, ignore_eos=True))
+        await stream.__anext__()
+        await engine.shutdown()
+        rest = [o async for o in stream]  # ends (closed), does not hang
+        assert all(not o.finished for o in rest)
+        assert not pid_alive(pid)
+
+    asyncio.run(main())
+
+
+async def last(stream):
+    out = None
+    async for out in stream:
+        pass
+    return out
