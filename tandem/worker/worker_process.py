@@ -1,120 +1,252 @@
-"""The main loop of one worker process (multiproc executor): receive a call, answer it, in order.
+"""One worker process of the multiproc executor: receive a call, answer it, in order.
 
-Wire protocol, over two ZeroMQ PUSH/PULL pipes per rank (driver binds both, worker connects):
+Started as ``python -m tandem.worker.worker_process <endpoint-dir> <rank>`` (through
+``tandem.ipc.start_child``), so it runs tandem's code and never the user's ``__main__``.
+It talks to the driver over one ``tandem.ipc.Channel``: it receives on ``req-<rank>`` and
+sends to ``rep-<rank>`` in the driver's private endpoint directory; every message is
+authenticated with the secret that arrived on stdin, and typed:
 
-* request: ``pickle((seq, method, args, kwargs))``; ``seq`` counts up from 0 without gaps.
-* reply:   ``pickle((seq, rank, ok, payload))``; ``payload`` is the result when ``ok``, else
-  ``(exc_type_name, message, traceback_text)``. A ``READY_SEQ`` reply (payload: pid) or an
-  error reply with that seq is sent once the worker is built, before any request is read.
+1. ``WorkerStart`` (the first message): rank, the engine and model configs, the
+   tensor-parallel rendezvous address, CPU threads, and the driver's ``sys.path`` (so a
+   ``worker_cls`` from the driver's folders imports here too).
+2. a ``Reply`` with ``seq == READY_SEQ``: the worker's pid once it is built, or its
+   construction error with the traceback — sent before any call is read.
+3. ``Call(seq, method, args, kwargs)``; ``seq`` counts up from 0 without gaps. ``method``
+   must be on the worker class's allow-list (``MethodTable``: its public methods); each
+   argument travels encoded on its own and is decoded into the type the method declares
+   for that parameter (``execute_model`` -> ``SchedulerOutput``).
+4. ``Reply(seq, rank, result)`` or ``Reply(seq, rank, error=ErrorPayload)``; the driver
+   decodes ``result`` into the return type ``Worker`` declares for the method (an
+   ``AsyncModelOutput`` arrives as the ``ModelRunnerOutput`` it resolves to).
 
-The one rule that makes the pipeline deadlock-free: **every request gets exactly one reply,
-in request order**, whatever it is — a step, a call that only primes the pipeline (an empty
+The one rule that makes the pipeline deadlock-free: **every call gets exactly one reply,
+in call order**, whatever it is — a step, a call that only primes the pipeline (an empty
 step), a failing call, the shutdown call. The main thread executes calls one by one and
 hands each outcome to a single reply thread through a FIFO queue; that thread alone sends.
 A step's outcome is its ``AsyncModelOutput``: the reply thread waits for its host copy, so
 the main thread is already running the next step while this one's tokens travel back.
 
-The process also ends itself when the driver dies: a watchdog thread blocks on a pipe
-whose only writer is the driver, and exits when it reads EOF (no orphans after a crash).
+The process ends itself when the driver is gone: a thread waits for EOF on stdin (the
+driver never closes it while it needs the worker, and the kernel closes it when the
+driver dies, SIGKILL included), removes the endpoint directory, and exits. Ctrl-C is the
+driver's to handle: the worker ignores SIGINT and is stopped by the driver.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
-import pickle
 import queue
+import signal
+import sys
 import threading
-from multiprocessing.connection import Connection
-from typing import Any, Optional
+import typing
+from typing import Any, Optional, Union
 
+import msgspec
+
+from tandem.config import EngineConfig
+from tandem.ipc import Channel, PrivateDir, WireModelConfig, decode, encode, exit_with_parent, read_secret
 from tandem.types.errors import ErrorPayload
+from tandem.types.runner_output import ModelRunnerOutput
+from tandem.worker.async_output import AsyncModelOutput
 
 READY_SEQ = -1
 SHUTDOWN_METHOD = "__shutdown__"
+_NONE = msgspec.Raw(encode(None))
 
 logger = logging.getLogger(__name__)
 
 
+def request_endpoint(rank: int) -> str:
+    """Name of the socket the worker of ``rank`` receives calls on."""
+    return f"req-{rank}"
 
 
-def _watch_parent(death_conn: Connection) -> None:
-    """Exit the process as soon as the driver's end of ``death_conn`` closes."""
-    try:
-        death_conn.recv()
-    except (EOFError, OSError):
-        pass
-    os._exit(1)
+def reply_endpoint(rank: int) -> str:
+    """Name of the socket the driver receives ``rank``'s replies on."""
+    return f"rep-{rank}"
 
 
+class WorkerStart(msgspec.Struct, frozen=True):
+    rank: int
+    config: EngineConfig
+    model_config: WireModelConfig
+    distributed_init_method: Optional[str]
+    num_threads: int
+    sys_path: list[str]
+
+
+class Call(msgspec.Struct, frozen=True, array_like=True):
+    seq: int
+    method: str
+    args: list[msgspec.Raw]
+    kwargs: dict[str, msgspec.Raw]
+
+    @classmethod
+    def of(cls, seq: int, method: str, args: tuple, kwargs: dict) -> "Call":
+        return cls(seq, method, [msgspec.Raw(encode(a)) for a in args],
+                   {k: msgspec.Raw(encode(v)) for k, v in kwargs.items()})
+
+
+class Reply(msgspec.Struct, frozen=True, array_like=True):
+    seq: int
+    rank: int
+    result: msgspec.Raw = _NONE
+    error: Optional[ErrorPayload] = None
+
+
+# -- method signatures: the allow-list and the types on the wire ---------------------------
+def _wire_type(tp: Any) -> Any:
+    """The type a value of ``tp`` travels as: a step's ``AsyncModelOutput`` is resolved by
+    the reply thread into the ``ModelRunnerOutput`` it holds."""
+    if tp is AsyncModelOutput:
+        return ModelRunnerOutput
+    if typing.get_origin(tp) is Union:
+        return Union[tuple(_wire_type(a) for a in typing.get_args(tp))]
+    return tp
+
+
+def _declared_types(cls: type, name: str) -> dict[str, Any]:
+    """Annotations of method ``name`` (parameters and ``return``), the most derived class
+    that annotates each one winning: a subclass may override without repeating them."""
+    types: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        fn = klass.__dict__.get(name)
+        if fn is None:
+            continue
+        try:
+            types.update(typing.get_type_hints(fn))
+        except (NameError, TypeError):  # an annotation that cannot be resolved reads as Any
+            logger.debug("unresolvable annotations on %s.%s", klass.__qualname__, name)
+    return types
+
+
+class MethodTable:
+    """What a worker class exposes to its driver: its public methods (no leading
+    underscore), each argument decoded into the type its parameter declares (``Any``
+    where none is declared: then only plain data can arrive)."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self._cache: dict[str, tuple[inspect.Signature, dict[str, Any]]] = {}
+
+    def allowed(self, name: str) -> bool:
+        return not name.startswith("_") and inspect.isroutine(getattr(self.cls, name, None))
+
+    def _signature(self, name: str) -> tuple[inspect.Signature, dict[str, Any]]:
+        if name not in self._cache:
+            if not self.allowed(name):
+                raise AttributeError(f"{name!r} is not a method {self.cls.__qualname__} exposes to its driver")
+            self._cache[name] = (inspect.signature(getattr(self.cls, name)), _declared_types(self.cls, name))
+        return self._cache[name]
+
+    def result_type(self, name: str) -> Any:
+        return _wire_type(self._signature(name)[1].get("return", Any)) if self.allowed(name) else Any
+
+    def invoke(self, worker: Any, call: Call) -> Any:
+        """Decode ``call``'s arguments into their declared types and run the method."""
+        sig, types = self._signature(call.method)
+        bound = sig.bind(None, *call.args, **call.kwargs)  # None stands for self
+        decoded: dict[str, Any] = {}
+        for name, raw in list(bound.arguments.items())[1:]:
+            kind, tp = sig.parameters[name].kind, types.get(name, Any)
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                decoded[name] = tuple(decode(r, tp) for r in raw)
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                decoded[name] = {k: decode(r, tp) for k, r in raw.items()}
+            else:
+                decoded[name] = decode(raw, tp)
+        bound.arguments.update(decoded)
+        return getattr(worker, call.method)(*bound.args[1:], **bound.kwargs)
+
+
+# -- the reply thread ------------------------------------------------------------------------
 class _ReplySender(threading.Thread):
     """Sends replies in the order they were queued; resolves step outputs before sending."""
 
-    def __init__(self, sock: Any, rank: int) -> None:
+    def __init__(self, channel: Channel, rank: int) -> None:
         super().__init__(name=f"tandem-reply-{rank}", daemon=True)
-        self.sock = sock
+        self.channel = channel
         self.rank = rank
-        self.q: "queue.Queue[Optional[tuple[int, bool, Any]]]" = queue.Queue()
+        self.q: "queue.Queue[Optional[tuple[int, Any, Optional[ErrorPayload]]]]" = queue.Queue()
 
-    def put(self, seq: int, ok: bool, payload: Any) -> None:
-        self.q.put((seq, ok, payload))
+    def put(self, seq: int, result: Any = None, error: Optional[ErrorPayload] = None) -> None:
+        self.q.put((seq, result, error))
 
     def close(self) -> None:
         self.q.put(None)
         self.join()
 
     def run(self) -> None:
-        from tandem.worker.async_output import AsyncModelOutput
-
         while True:
             item = self.q.get()
             if item is None:
                 return
-            seq, ok, payload = item
-            if ok and isinstance(payload, AsyncModelOutput):
-                try:
-                    payload = payload.get()
-                except BaseException as e:  # e.g. a CUDA error surfacing at the copy
-                    ok, payload = False, ErrorPayload.from_exception(e)
-            try:
-                data = pickle.dumps((seq, self.rank, ok, payload), protocol=pickle.HIGHEST_PROTOCOL)
-            except BaseException as e:  # an unpicklable result still gets its one reply
-                data = pickle.dumps((seq, self.rank, False, ErrorPayload.from_exception(e)), protocol=pickle.HIGHEST_PROTOCOL)
-            self.sock.send(data, copy=False)
+            self.channel.send(self._reply(*item))
+
+    def _reply(self, seq: int, result: Any, error: Optional[ErrorPayload]) -> Reply:
+        if error is not None:
+            return Reply(seq, self.rank, error=error)
+        try:
+            if isinstance(result, AsyncModelOutput):
+                result = result.get()  # e.g. a CUDA error surfacing at the copy fails this call
+            return Reply(seq, self.rank, result=msgspec.Raw(encode(result)))
+        except BaseException as e:  # an unencodable result still gets its one reply
+            return Reply(seq, self.rank, error=ErrorPayload.from_exception(e))
 
 
-def run_worker_process(rank: int, config: Any, model_config: Any,
-                       distributed_init_method: Optional[str], request_addr: str, reply_addr: str,
-                       death_conn: Connection, num_threads: int) -> None:
-    """Entry point of a spawned worker process (see the module docstring for the protocol)."""
-    import zmq
-
-    threading.Thread(target=_watch_parent, args=(death_conn,), name="tandem-parent-watch", daemon=True).start()
+# -- the process -----------------------------------------------------------------------------
+def _build_worker(start: WorkerStart) -> Any:
+    """Apply the driver's settings to this process, then construct the worker."""
+    sys.path[:] = list(dict.fromkeys(start.sys_path + sys.path))
+    model_config = start.model_config.to_config()
     logging.basicConfig(level=model_config.env.log_level,
-                        format=f"%(asctime)s worker{rank} %(levelname)s %(name)s: %(message)s")
+                        format=f"%(asctime)s worker{start.rank} %(levelname)s %(name)s: %(message)s")
     import torch
 
-    if num_threads > 0:
-        torch.set_num_threads(num_threads)
-    ctx = zmq.Context()
-    requests = ctx.socket(zmq.PULL)
-    requests.connect(request_addr)
-    replies = ctx.socket(zmq.PUSH)
-    replies.setsockopt(zmq.LINGER, 5000)  # flush the last replies on a clean exit
-    replies.connect(reply_addr)
-    sender = _ReplySender(replies, rank)
+    if start.num_threads > 0:
+        torch.set_num_threads(start.num_threads)
+    from tandem.worker.worker import resolve_worker_class
+
+    return resolve_worker_class(start.config.worker_cls)(
+        start.config, model_config, rank=start.rank, distributed_init_method=start.distributed_init_method)
+
+
+def _serve(worker: Any, channel: Channel, sender: _ReplySender) -> None:
+    table = MethodTable(type(worker))
+    expected = 0
+    while True:
+        call = channel.recv(Call)
+        if call.seq != expected:  # cannot happen over one authenticated pipe; refuse loudly if it does
+            raise RuntimeError(f"worker got call #{call.seq}, expected #{expected}")
+        expected += 1
+        if call.method == SHUTDOWN_METHOD:
+            sender.put(call.seq)
+            return
+        try:
+            result = table.invoke(worker, call)
+        except BaseException as e:
+            sender.put(call.seq, error=ErrorPayload.from_exception(e))
+            if not isinstance(e, Exception):  # SystemExit and the like: answer, then stop
+                raise
+            continue
+        sender.put(call.seq, result)
+
+
+def _run(channel: Channel, rank: int) -> None:
+    """Start-up handshake, then serve until the shutdown call (module docstring)."""
+    sender = _ReplySender(channel, rank)
     sender.start()
     worker = None
     try:
         try:
-            from tandem.worker.worker import resolve_worker_class
-
-            worker = resolve_worker_class(config.worker_cls)(
-                config, model_config, rank=rank, distributed_init_method=distributed_init_method)
+            worker = _build_worker(channel.recv(WorkerStart))
         except BaseException as e:
-            sender.put(READY_SEQ, False, ErrorPayload.from_exception(e))
+            sender.put(READY_SEQ, error=ErrorPayload.from_exception(e))
             return
-        sender.put(READY_SEQ, True, os.getpid())
-        _serve(worker, requests, sender)
+        sender.put(READY_SEQ, os.getpid())
+        _serve(worker, channel, sender)
     finally:
         sender.close()
         if worker is not None:
@@ -122,26 +254,25 @@ def run_worker_process(rank: int, config: Any, model_config: Any,
                 worker.shutdown()
             except Exception:  # best effort: the process is ending anyway
                 logger.exception("worker shutdown failed")
-        requests.close(linger=0)
-        replies.close()
+
+
+def main(argv: list[str]) -> None:
+    """Entry point: ``argv`` is ``[endpoint_dir, rank]``; the secret comes on stdin."""
+    import zmq
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    secret = read_secret()
+    where, rank = PrivateDir(argv[0]), int(argv[1])
+    exit_with_parent(cleanup=where.remove)
+    ctx = zmq.Context()
+    channel = Channel(ctx, secret, local=where.address(request_endpoint(rank)),
+                      remote=where.address(reply_endpoint(rank)))
+    try:
+        _run(channel, rank)
+    finally:
+        channel.close(linger_s=5.0)  # flush the last replies on a clean exit
         ctx.term()
 
 
-def _serve(worker: Any, requests: Any, sender: _ReplySender) -> None:
-    expected = 0
-    while True:
-        seq, method, args, kwargs = pickle.loads(requests.recv())
-        if seq != expected:  # cannot happen over one PUSH/PULL pipe; refuse loudly if it does
-            raise RuntimeError(f"worker got call #{seq}, expected #{expected}")
-        expected += 1
-        if method == SHUTDOWN_METHOD:
-            sender.put(seq, True, None)
-            return
-        try:
-            result = getattr(worker, method)(*args, **kwargs)
-        except BaseException as e:
-            sender.put(seq, False, ErrorPayload.from_exception(e))
-            if not isinstance(e, Exception):  # KeyboardInterrupt/SystemExit: answer, then stop
-                raise
-            continue
-        sender.put(seq, True, result)
+if __name__ == "__main__":
+    main(sys.argv[1:])

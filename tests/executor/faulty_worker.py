@@ -1,8 +1,8 @@
 """A Worker that misbehaves on request, for fault-injection tests of every executor.
 
 Run it through ``EngineConfig(worker_cls="faulty_worker.FaultyWorker")`` (this folder must be
-importable in the worker: spawned processes inherit ``sys.path``; Ray actors need it on
-``PYTHONPATH``) and arm it with ``executor.collective_rpc("set_fault", kind, at_step, rank)``.
+importable in the worker: multiproc workers get the driver's ``sys.path``; Ray actors need it
+on ``PYTHONPATH``) and arm it with ``executor.collective_rpc("set_fault", kind, at_step, rank)``.
 Steps are counted per worker from the moment the fault is armed; ``at_step=1`` means the next
 ``execute_model`` call.
 
@@ -65,3 +65,11 @@ class FaultyWorker(Worker):
     def crash_now(self) -> None:
         """Die inside an RPC that is not a step (collective_rpc path)."""
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ExitsWhileStarting(Worker):
+    """A worker whose process ends before it can report anything (a crash in a C extension
+    while loading, the OOM killer): the driver must say so at once, not wait for READY."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        os._exit(5)

@@ -1,17 +1,24 @@
-"""The multiproc executor: real worker processes, the RPC contract, and what happens when a worker fails.
+"""What only the multiproc executor has: processes it starts itself, over a channel it owns.
 
-* equivalence: uniproc == multiproc TP=1 == multiproc TP=2 (gloo), sync and async, on random
-  workloads with preemption, chunked prefill, aborts and seeded sampling;
-* contract: one reply per call in call order, including calls that only prime the pipeline;
-* faults: a worker raising at step N, SIGKILLed mid-step, exiting, hanging, failing to start,
-  and the driver itself dying — each fails (never hangs) within a bounded time, and no
-  worker process or IPC file outlives its executor.
+* start-up: workers never re-run the user's program — ``tensor_parallel_size=2`` works from
+  a script on stdin, ``python -c``, a script without a ``__main__`` guard and a notebook,
+  and the driver's ``sys.path`` reaches the workers (``worker_cls`` from a test folder);
+  a worker that fails or dies while starting is reported at once, with its own error;
+* the boundary: the endpoints live in a 0700 directory, and a process of the same user
+  that connects to them cannot inject a call or a reply, nor get a pickle unpickled;
+* exit: a driver killed with SIGKILL leaves no worker and no endpoint directory; an ``LLM``
+  dropped at interpreter exit without ``shutdown()`` prints nothing; Ctrl-C (SIGINT to the
+  whole process group) ends driver and workers with no traceback.
+
+The contract shared with Ray (ordering, faults, timeouts) is in ``test_remote_executors.py``.
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -20,21 +27,22 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("zmq")
+zmq = pytest.importorskip("zmq")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from engine_harness import assert_same, random_workload, run_workload  # noqa: E402
-
-from executor_test_utils import BASE, FAULTY, SETTINGS, VOCAB, pid_alive, wait_gone  # noqa: E402
+from executor_test_utils import BASE, FAULTY, pid_alive, wait_gone  # noqa: E402
+from proc_utils import live_children  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
-from tandem.types.scheduler_output import SchedulerOutput  # noqa: E402
-from tandem.engine.llm_engine import LLMEngine, RequestError  # noqa: E402
 from tandem.entrypoints.llm import LLM  # noqa: E402
-from tandem.types.errors import ExecutorError, WorkerDiedError, WorkerError, WorkerTimeoutError  # noqa: E402
 from tandem.executor.multiproc import MultiprocExecutor  # noqa: E402
+from tandem.ipc import PrivateDir, encode  # noqa: E402
 from tandem.models.model_config import resolve_model_config  # noqa: E402
 from tandem.sampling_params import SamplingParams  # noqa: E402
+from tandem.types.errors import WorkerDiedError, WorkerError  # noqa: E402
+from tandem.worker.worker_process import Call, Reply  # noqa: E402
 
+HERE = Path(__file__).resolve().parent
+SP = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
 
 
 @pytest.fixture(scope="module")
@@ -44,230 +52,255 @@ def tp_model(tiny_factory):
 
 
 @pytest.fixture(scope="module")
-def engines(tp_model):
-    cache: dict = {}
-
-    def get(executor: str, tp: int, async_scheduling: bool, setting: str) -> LLMEngine:
-        key = (executor, tp, async_scheduling, setting)
-        if key not in cache:
-            cfg = EngineConfig(model=tp_model, executor=executor, tensor_parallel_size=tp,
-                               async_scheduling=async_scheduling, **{**BASE, **SETTINGS[setting]})
-            cache[key] = LLMEngine(cfg)
-        return cache[key]
-
-    yield get
-    for e in cache.values():
-        e.shutdown()
+def reference_tokens(tp_model) -> list[list[int]]:
+    with LLM(tp_model, executor="uniproc", **BASE) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SP, use_tqdm=False)]
 
 
-# -- equivalence -----------------------------------------------------------------------
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("tp", [1, 2])
-def test_multiproc_matches_uniproc_sync_and_async(engines, setting, tp):
-    for seed in (3, 11):
-        items = random_workload(seed, VOCAB)
-        ref = run_workload(engines("uniproc", 1, False, setting), items)
-        for async_scheduling in (False, True):
-            got = run_workload(engines("multiproc", tp, async_scheduling, setting), items)
-            assert_same(ref.outputs, got.outputs, items)
-    e = engines("multiproc", tp, True, setting)
-    assert e.core.stats.num_launched_ahead > 0, "async multiproc never overlapped two steps"
-
-
-# -- the RPC contract -------------------------------------------------------------------
 @pytest.fixture
-def executor_factory(tp_model):
-    made = []
+def endpoint_dirs(monkeypatch) -> list[str]:
+    """The endpoint directories executors create during the test (other engines on this
+    machine have their own, so a glob of the temp dir would race with them)."""
+    made: list[str] = []
+    create = PrivateDir.create
 
-    def make(tp: int = 1, **kw) -> MultiprocExecutor:
-        cfg = EngineConfig(model=tp_model, executor="multiproc", tensor_parallel_size=tp, **{**BASE, **kw})
-        ex = MultiprocExecutor(cfg, resolve_model_config(cfg))
-        made.append(ex)
-        return ex
+    def recording_create(*args, **kwargs) -> PrivateDir:
+        where = create(*args, **kwargs)
+        made.append(where.path)
+        return where
 
-    yield make
-    for ex in made:
-        pids = [p for p in ex.worker_pids if p]
-        ex.shutdown()
-        assert wait_gone(pids) == [], "worker processes outlived shutdown()"
-
-
-def _ready(ex: MultiprocExecutor) -> None:
-    ex.collective_rpc("determine_num_kv_blocks")
-    ex.collective_rpc("init_kv_cache", 64)
+    monkeypatch.setattr(PrivateDir, "create", recording_create)
+    return made
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("tp", [1, 2])
-def test_priming_call_is_answered_and_replies_come_in_order(executor_factory, tp):
-    """The seed's deadlock: a worker that never answered the call that only primes the
-    pipeline. Here an empty step is answered like any other, in order, on every rank."""
-    ex = executor_factory(tp)
-    _ready(ex)
-    prime = ex.execute_model(SchedulerOutput(step_id=0, requests=[]))
-    infos = [ex._call("get_pid", (), {}) for _ in range(3)]
-    second = ex.execute_model(SchedulerOutput(step_id=1, requests=[]))
-    out = prime.result(timeout=30)
-    assert out.step_id == 0 and out.req_ids == [] and out.sampled_token_ids == []
-    assert second.result(timeout=30).step_id == 1
-    assert all(f.result(timeout=30) == ex.worker_pids[0] for f in infos)
-    assert [f.all_results is not None for f in infos] == [True] * 3
-    assert len(ex.collective_rpc("get_pid")) == tp
-    assert sorted(ex.collective_rpc("get_pid")) == sorted(ex.worker_pids)
-
-
-@pytest.mark.timeout(60)
-def test_worker_exception_comes_back_with_its_traceback_and_worker_stays_usable(executor_factory):
-    ex = executor_factory(1, worker_cls=FAULTY)
-    with pytest.raises(WorkerError) as ei:
-        ex.collective_rpc("set_fault", "no-such-fault")
-    msg = str(ei.value)
-    assert "ValueError" in msg and "no-such-fault" in msg
-    assert "faulty_worker.py" in ei.value.worker_traceback, "the worker's own traceback must be carried"
-    assert ex.collective_rpc("get_pid") == ex.worker_pids  # one rank: still usable
-
-
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("tp", [1, 2])
-def test_worker_raising_at_step_n_fails_the_requests_not_the_caller(tp_model, tp):
-    llm = LLM(tp_model, executor="multiproc", tensor_parallel_size=tp, worker_cls=FAULTY, **BASE)
-    try:
-        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-        llm.engine.core.executor.collective_rpc("set_fault", "raise", 4, tp - 1)
-        t0 = time.monotonic()
-        with pytest.raises(RequestError) as ei:
-            llm.generate([[5, 6, 7], [8, 9]], sp, use_tqdm=False)
-        assert time.monotonic() - t0 < 30
-        assert "InjectedFault" in str(ei.value) and f"rank {tp - 1}" in str(ei.value)
-        assert all(o.outputs[0].finish_reason == "error" for o in ei.value.outputs)
-        if tp == 1:  # the worker survives its own exception: the engine keeps serving
-            out = llm.generate([[5, 6, 7]], sp, use_tqdm=False)
-            assert len(out[0].outputs[0].token_ids) == 12
-        else:  # TP peers are out of step: the executor stops and says so, fast
-            with pytest.raises(RequestError, match="out of step"):
-                llm.generate([[5, 6, 7]], sp, use_tqdm=False)
-    finally:
-        pids = llm.engine.core.executor.worker_pids
-        llm.shutdown()
-        assert wait_gone(pids) == []
-
-
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("kind,tp", [("kill", 1), ("exit", 1), ("kill", 2)])
-def test_worker_dying_mid_step_fails_pending_and_later_calls(tp_model, kind, tp):
-    llm = LLM(tp_model, executor="multiproc", tensor_parallel_size=tp, worker_cls=FAULTY, **BASE)
-    ex = llm.engine.core.executor
-    pids = list(ex.worker_pids)
-    try:
-        ex.collective_rpc("set_fault", kind, 3, tp - 1)
-        sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-        t0 = time.monotonic()
-        with pytest.raises(RequestError) as ei:
-            llm.generate([[5, 6, 7], [8, 9, 10, 11]], sp, use_tqdm=False)
-        assert time.monotonic() - t0 < 20, "death must be detected within seconds"
-        expected = "SIGKILL" if kind == "kill" else "exited with code 3"
-        assert "WorkerDiedError" in str(ei.value) and expected in str(ei.value)
-        with pytest.raises(WorkerDiedError):
-            ex.check_health()
-        t0 = time.monotonic()
-        with pytest.raises(RequestError, match="WorkerDiedError"):  # later calls fail fast
-            llm.generate([[5, 6]], sp, use_tqdm=False)
-        assert time.monotonic() - t0 < 5
-        with pytest.raises(WorkerDiedError):
-            ex.collective_rpc("get_pid")
-        assert wait_gone(pids) == [], "the surviving ranks must be stopped too"
-    finally:
-        llm.shutdown()
-
-
-@pytest.mark.timeout(60)
-def test_worker_killed_from_outside_is_detected_while_idle(executor_factory):
-    ex = executor_factory(2)
-    victim = ex.worker_pids[1]
-    os.kill(victim, signal.SIGKILL)
+def _no_new_children(before: set[int]) -> list[int]:
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            ex.check_health()
-        except WorkerDiedError as e:
-            assert "rank 1" in str(e) and "SIGKILL" in str(e)
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("a SIGKILLed worker went unnoticed for 10 s")
-    with pytest.raises(WorkerDiedError):
-        ex.execute_model(SchedulerOutput(step_id=0, requests=[])).result(timeout=5)
-    assert wait_gone(ex.worker_pids) == []
+    while (extra := sorted(set(live_children()) - before)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return extra
 
 
-@pytest.mark.timeout(90)
-def test_hung_worker_times_out_instead_of_hanging(tp_model):
-    llm = LLM(tp_model, executor="multiproc", worker_cls=FAULTY, rpc_timeout_s=3.0, **BASE)
-    ex = llm.engine.core.executor
-    pids = list(ex.worker_pids)
-    try:
-        ex.collective_rpc("set_fault", "hang", 2)
-        t0 = time.monotonic()
-        with pytest.raises(RequestError) as ei:
-            llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-        elapsed = time.monotonic() - t0
-        assert 2.5 < elapsed < 30, elapsed
-        assert "WorkerTimeoutError" in str(ei.value) and "rpc_timeout_s" in str(ei.value)
-        with pytest.raises(WorkerTimeoutError):
-            ex.collective_rpc("get_pid")
-        assert wait_gone(pids) == [], "a hung worker must be stopped"
-    finally:
-        llm.shutdown()
+# -- start-up ------------------------------------------------------------------------------
+_USER_PROGRAM = """\
+import sys
+sys.path.insert(0, {tests!r})  # worker_cls lives here: the driver's sys.path must reach the workers
+print("PROGRAM STARTS", flush=True)
+from tandem import LLM, SamplingParams
+llm = LLM({model!r}, tensor_parallel_size=2, worker_cls="faulty_worker.FaultyWorker", **{base!r})
+outs = llm.generate({prompts!r}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+print("TOKENS", [o.outputs[0].token_ids for o in outs], flush=True)
+llm.shutdown()
+"""
+# A notebook runs cells through IPython's InteractiveShell (ipykernel does exactly this):
+# ``__main__`` is IPython's namespace module, with no ``__file__``.
+_NOTEBOOK = ("import sys\nfrom IPython.core.interactiveshell import InteractiveShell\n"
+             "ok = InteractiveShell.instance().run_cell(sys.stdin.read()).success\nsys.exit(0 if ok else 1)\n")
+
+
+def _start_context(context: str, program: str, tmp_path: Path) -> tuple[list[str], str | None]:
+    """argv and stdin for running ``program`` the way a user would in ``context``."""
+    if context == "stdin":
+        return [sys.executable, "-"], program
+    if context == "dash-c":
+        return [sys.executable, "-c", program], None
+    if context == "unguarded-script":
+        script = tmp_path / "user_script.py"
+        script.write_text(program)
+        return [sys.executable, str(script)], None
+    pytest.importorskip("IPython")
+    return [sys.executable, "-c", _NOTEBOOK], program
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("context", ["stdin", "dash-c", "unguarded-script", "notebook"])
+def test_workers_never_rerun_the_users_program(tp_model, reference_tokens, tmp_path, context):
+    """With spawn, a script on stdin failed (FileNotFoundError '<stdin>') and an unguarded
+    script started workers recursively: each worker re-ran the user's program."""
+    program = _USER_PROGRAM.format(tests=str(HERE), model=tp_model, base=BASE, prompts=PROMPTS)
+    argv, stdin = _start_context(context, program, tmp_path)
+    proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=170, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("PROGRAM STARTS") == 1, proc.stdout
+    assert f"TOKENS {reference_tokens}" in proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.timeout(60)
-def test_worker_that_fails_to_start_reports_why_and_leaves_nothing(tp_model):
-    before = set(Path("/tmp").glob("tandem-ipc-*"))
+def test_worker_that_fails_to_start_reports_its_own_error_at_once_and_leaves_nothing(tp_model, endpoint_dirs):
+    """The failing rank's own exception and traceback, at once (not after
+    worker_start_timeout_s), with every process, socket and directory cleaned up."""
+    children = set(live_children())
     cfg = EngineConfig(model=tp_model, executor="multiproc", tensor_parallel_size=2,
                        worker_cls="tandem.config.EngineConfig", **BASE)
-    with pytest.raises(WorkerError, match="not a subclass of tandem.worker.worker.Worker"):
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="not a subclass of tandem.worker.worker.Worker") as ei:
         MultiprocExecutor(cfg, resolve_model_config(cfg))
-    assert set(Path("/tmp").glob("tandem-ipc-*")) <= before, "IPC folder left behind"
+    assert time.monotonic() - t0 < 45, "a failed start must be reported at once"
+    assert "resolve_worker_class" in ei.value.worker_traceback
+    assert len(endpoint_dirs) == 1 and not os.path.exists(endpoint_dirs[0]), "endpoint directory left behind"
+    assert _no_new_children(children) == [], "worker processes left behind"
 
 
 @pytest.mark.timeout(60)
-def test_calls_after_shutdown_fail_clearly(executor_factory):
-    ex = executor_factory(1)
+def test_worker_that_dies_while_starting_is_reported_at_once(tp_model, endpoint_dirs):
+    children = set(live_children())
+    cfg = EngineConfig(model=tp_model, executor="multiproc", tensor_parallel_size=2,
+                       worker_cls="faulty_worker.ExitsWhileStarting", **BASE)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="exited with code 5 while starting"):
+        MultiprocExecutor(cfg, resolve_model_config(cfg))
+    assert time.monotonic() - t0 < 45
+    assert len(endpoint_dirs) == 1 and not os.path.exists(endpoint_dirs[0])
+    assert _no_new_children(children) == []
+
+
+# -- the process boundary ------------------------------------------------------------------
+class _Pwn:
+    """A pickle that creates a file when unpickled: proof that someone ran it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _send_as_outsider(address: str, frames: list[bytes]) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PUSH)
+    s.connect(address)
+    s.send_multipart(frames)
+    s.close(linger=2000)
+    ctx.term()
+
+
+@pytest.mark.timeout(120)
+def test_an_outsider_cannot_inject_calls_or_replies(tp_model, reference_tokens, tmp_path):
+    """A process of the same user (other users cannot even reach the directory) connects to
+    the worker's and the driver's endpoints and sends a forged call that would kill the
+    worker, a forged reply, and pickles that would create a file: all are dropped, nothing
+    is unpickled, and the engine keeps producing the same tokens."""
+    llm = LLM(tp_model, executor="multiproc", worker_cls=FAULTY, **BASE)
+    ex = llm.engine.core.executor
     pids = list(ex.worker_pids)
-    ex.shutdown()
-    ex.shutdown()  # idempotent
+    try:
+        where = Path(ex._where.path)
+        assert stat.S_IMODE(where.stat().st_mode) == 0o700 and where.stat().st_uid == os.getuid()
+        assert sorted(p.name for p in where.iterdir()) == ["rep-0", "req-0"]
+        flag = tmp_path / "pwned"
+        evil = pickle.dumps(_Pwn(flag))
+        seq = ex._next_seq  # the next call number: the strongest guess an attacker could make
+        crash = encode(Call.of(seq, "crash_now", (), {}))
+        fake_reply = encode(Reply(seq, 0))
+        reader = zmq.Context().socket(zmq.PULL)  # and one that tries to read what is not for it
+        reader.setsockopt(zmq.LINGER, 0)
+        for name in ("req-0", "rep-0"):
+            address = f"ipc://{where / name}"
+            reader.connect(address)
+            for frames in ([evil], [b"\0" * 32 + evil], [b"\0" * 32 + crash], [os.urandom(32) + fake_reply],
+                           [crash], [b"\0" * 32, crash]):
+                _send_as_outsider(address, frames)
+        time.sleep(0.5)
+        out = llm.generate(PROMPTS, SP, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == reference_tokens
+        assert not flag.exists(), "a pickle was unpickled"
+        assert ex._workers[0].channel.rejected == 6, "every forged reply must be dropped by the driver"
+        assert reader.poll(200) == 0, "an outsider must not receive the engine's messages"
+        reader.close()
+        ex.check_health()
+        assert all(pid_alive(p) for p in pids), "the forged crash_now call must not have run"
+    finally:
+        llm.shutdown()
     assert wait_gone(pids) == []
-    with pytest.raises(ExecutorError, match="shut down"):
-        ex.collective_rpc("get_pid")
+    assert not where.exists()
 
 
-_DRIVER = textwrap.dedent("""
+# -- exit ----------------------------------------------------------------------------------
+_KILLED_DRIVER = textwrap.dedent("""
     import json, sys, time
     from tandem.config import EngineConfig
     from tandem.executor.multiproc import MultiprocExecutor
     from tandem.models.model_config import resolve_model_config
-    if __name__ == "__main__":
-        cfg = EngineConfig(model=sys.argv[1], executor="multiproc", tensor_parallel_size=2, num_kv_blocks=16)
-        ex = MultiprocExecutor(cfg, resolve_model_config(cfg))
-        print(json.dumps({"pids": ex.worker_pids}), flush=True)
-        time.sleep(600)
+    cfg = EngineConfig(model=sys.argv[1], executor="multiproc", tensor_parallel_size=2, num_kv_blocks=16)
+    ex = MultiprocExecutor(cfg, resolve_model_config(cfg))
+    print(json.dumps({"pids": ex.worker_pids, "dir": ex._where.path}), flush=True)
+    time.sleep(600)
 """)
 
 
 @pytest.mark.timeout(90)
-def test_no_orphans_when_the_driver_is_killed(tp_model, tmp_path):
-    script = tmp_path / "driver.py"
-    script.write_text(_DRIVER)
-    proc = subprocess.Popen([sys.executable, str(script), tp_model], stdout=subprocess.PIPE, text=True)
+def test_no_orphans_and_no_endpoint_dir_when_the_driver_is_killed(tp_model):
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_DRIVER, tp_model], stdout=subprocess.PIPE, text=True)
     try:
-        line = proc.stdout.readline()
-        info = json.loads(line)
-        assert all(pid_alive(p) for p in info["pids"])
+        info = json.loads(proc.stdout.readline())
+        assert all(pid_alive(p) for p in info["pids"]) and os.path.isdir(info["dir"])
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         assert wait_gone(info["pids"], timeout=15) == [], "workers outlived their killed driver"
+        deadline = time.monotonic() + 5
+        while os.path.exists(info["dir"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(info["dir"]), "the endpoint directory outlived the killed driver"
     finally:
         if proc.poll() is None:
             proc.kill()
+        proc.wait()
         proc.stdout.close()
+
+
+_DROPPED = textwrap.dedent("""
+    import json, sys
+    from tandem import LLM, SamplingParams
+    llm = LLM(sys.argv[1], executor="multiproc", tensor_parallel_size=2, block_size=4, num_kv_blocks=64)
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    ex = llm.engine.core.executor
+    print(json.dumps({"pids": ex.worker_pids, "dir": ex._where.path}), flush=True)
+    # no shutdown(): the interpreter exits with the LLM alive
+""")
+
+
+@pytest.mark.timeout(120)
+def test_an_llm_dropped_at_interpreter_exit_exits_quietly(tp_model):
+    proc = subprocess.run([sys.executable, "-c", _DROPPED, tp_model], capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", f"interpreter-exit cleanup printed:\n{proc.stderr}"
+    info = json.loads(proc.stdout)
+    assert wait_gone(info["pids"]) == []
+    assert not os.path.exists(info["dir"])
+
+
+_INTERRUPTED = textwrap.dedent("""
+    import json, sys
+    from tandem import LLM, SamplingParams
+    llm = LLM(sys.argv[1], executor="multiproc", tensor_parallel_size=2, block_size=4, num_kv_blocks=256)
+    ex = llm.engine.core.executor
+    print(json.dumps({"pids": ex.worker_pids, "dir": ex._where.path}), flush=True)
+    try:
+        while True:
+            llm.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                         use_tqdm=False)
+    except KeyboardInterrupt:
+        llm.shutdown()
+        sys.exit(130)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_driver_and_workers_without_a_traceback(tp_model):
+    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it: the workers
+    ignore it (the driver stops them), the driver's handler shuts down, nothing is printed."""
+    proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTED, tp_model], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        time.sleep(1.0)  # let it get busy generating
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert err == "", f"Ctrl-C printed:\n{err}"
+    assert wait_gone(info["pids"]) == [], "workers outlived the interrupted driver"
+    assert not os.path.exists(info["dir"])

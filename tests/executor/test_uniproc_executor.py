@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from executor_test_utils import BASE, VOCAB
+from executor_test_utils import BASE
 from tandem.config import EngineConfig
 from tandem.models.model_config import resolve_model_config
 from tandem.types.scheduler_output import SchedulerOutput
