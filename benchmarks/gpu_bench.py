@@ -142,7 +142,7 @@ def run_engine(llm: Any, prompts: list[list[int]], sp: Any, profile_steps: Optio
                                                       torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
         ts = time.perf_counter()
-        for o in engine.step():
+        for o in engine.step(final_only=True):
             if o.finished:
                 out_tokens += len(o.outputs[0].token_ids)
         step_times.append(time.perf_counter() - ts)

@@ -27,23 +27,23 @@ def profile(llm, prompts, max_tokens: int, skip: int, steps: int, label: str) ->
     for i, p in enumerate(prompts):
         engine.add_request(f"{label}{i}", p, sp)
     for _ in range(skip):
-        engine.step()
+        engine.step(final_only=True)
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(steps):
-        engine.step()
+        engine.step(final_only=True)
     pr.disable()
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
     print(f"==== host profile, {label}: {steps} steps\n" + s.getvalue()[-6000:])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
-            engine.step()
+            engine.step(final_only=True)
         torch.cuda.synchronize()
     print(f"==== device kernels, {label}: 10 steps")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     while engine.has_unfinished_requests():
-        engine.step()
+        engine.step(final_only=True)
 
 
 def main() -> int:

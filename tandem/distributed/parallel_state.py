@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 

@@ -435,7 +435,8 @@ def paged_attention(
 
     With splits, fp32 partials of ``num_tokens x num_heads x num_kv_splits x head_dim`` are
     allocated per call (from the graph's pool under capture); the automatic count keeps that
-    small (about ``4 * num_SMs`` rows of programs). Returns ``out``. No host synchronisation; capturable in a CUDA graph.
+    small (about ``4 * num_SMs`` rows of programs). Returns ``out``. No host synchronisation;
+    capturable in a CUDA graph.
     """
     if q.dim() != 3 or out.shape != q.shape:
         raise ValueError(f"q and out must both be [num_tokens, num_heads, head_dim], "

@@ -120,7 +120,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset, size = sum(sizes[:shard_id]), sizes[shard_id]
         expected = (self.output_sizes[shard_id],) + tuple(param.shape[1:])
         if tuple(loaded_weight.shape) != expected:
-            raise ValueError(f"shard {shard_id}: expected checkpoint shape {expected}, got {tuple(loaded_weight.shape)}")
+            raise ValueError(f"shard {shard_id}: expected checkpoint shape {expected}, "
+                             f"got {tuple(loaded_weight.shape)}")
         default_weight_loader(param.narrow(0, offset, size), self._rank_slice(loaded_weight, size))
 
 
@@ -167,7 +168,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         expected = (total_heads * self.head_size,) + tuple(param.shape[1:])
         if tuple(loaded_weight.shape) != expected:
-            raise ValueError(f"shard {shard_id!r}: expected checkpoint shape {expected}, got {tuple(loaded_weight.shape)}")
+            raise ValueError(f"shard {shard_id!r}: expected checkpoint shape {expected}, "
+                             f"got {tuple(loaded_weight.shape)}")
         default_weight_loader(param.narrow(0, offset, size), loaded_weight.narrow(0, rank_idx * size, size))
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

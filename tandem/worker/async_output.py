@@ -119,4 +119,4 @@ class AsyncModelOutput:
 
 
 def _to_lists(ids: torch.Tensor, lps: torch.Tensor, ranks: torch.Tensor) -> list[SampledLogprobs]:
-    return [SampledLogprobs(i, l, r) for i, l, r in zip(ids.tolist(), lps.tolist(), ranks.tolist())]
+    return [SampledLogprobs(i, lp, r) for i, lp, r in zip(ids.tolist(), lps.tolist(), ranks.tolist())]

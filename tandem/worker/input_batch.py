@@ -46,12 +46,14 @@ class InputBatch:
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         self.device = device
-        self.token_table = torch.zeros(max_rows, self.width, dtype=torch.int64, device=device)
-        self.block_table_device = torch.zeros(max_rows, self.max_blocks, dtype=torch.int32, device=device)
+        # One extra row that no request owns: CUDA-graph padding reads and writes it.
+        self.scratch_row = max_rows
+        self.token_table = torch.zeros(max_rows + 1, self.width, dtype=torch.int64, device=device)
+        self.block_table_device = torch.zeros(max_rows + 1, self.max_blocks, dtype=torch.int32, device=device)
         self.free_rows = list(range(max_rows - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
 
-        self.block_table = np.zeros((max_rows, self.max_blocks), dtype=np.int32)
+        self.block_table = np.zeros((max_rows + 1, self.max_blocks), dtype=np.int32)
         self.num_prompt_tokens = np.zeros(max_rows, dtype=np.int32)
         # Sampling parameters by row (what the sampler needs as tensors).
         self.temperature = np.zeros(max_rows, dtype=np.float32)  # 0 = greedy

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -70,6 +70,7 @@ class BatchSegments:
     rows: Segment  # int32 [B] token-table row of each sequence (for its block table)
     seq_lens: Segment  # int32 [B]
     query_start_loc: Segment  # int32 [B + 1]
+    dest: Segment  # int64 [B] flat token-table index of the token each sequence samples
 
 
 class ModelRunner:
@@ -107,7 +108,7 @@ class ModelRunner:
         # so every rank's token table (hence every rank's next input) stays identical.
         self.tp_rank = get_tp_rank()
         self.use_graphs = cuda_graphs and device.type == "cuda" and attention_backend == "triton"
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self.graph_sizes: list[int] = graph_batch_sizes(max_num_seqs) if self.use_graphs else []
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.num_kv_heads = 1
@@ -154,19 +155,23 @@ class ModelRunner:
     def _reserve_batch(self, num_tokens: int, num_seqs: int) -> tuple[BatchSegments, list[np.ndarray]]:
         sb = self.staging
         parts = [sb.reserve(num_tokens, _INT64), sb.reserve(num_tokens, _INT64), sb.reserve(num_tokens, _INT64),
-                 sb.reserve(num_seqs, _INT32), sb.reserve(num_seqs, _INT32), sb.reserve(num_seqs + 1, _INT32)]
+                 sb.reserve(num_seqs, _INT32), sb.reserve(num_seqs, _INT32), sb.reserve(num_seqs + 1, _INT32),
+                 sb.reserve(num_seqs, _INT64)]
         return BatchSegments(*(p[0] for p in parts)), [p[1] for p in parts]
 
     def _stage_batch(self, plan: StepPlan, pad_seqs: int) -> tuple[BatchSegments, np.ndarray, np.ndarray]:
         """Inputs of the forward pass. ``pad_seqs`` > B pads a decode batch for a graph:
-        padding sequences have no query token and length 0, padding tokens slot -1."""
+        padding sequences have no query token and length 0, padding tokens slot -1, and
+        they read and write the token table's scratch row. A sequence that does not sample
+        this step also sends its (graph-computed) argmax to the scratch row."""
         B = plan.num_seqs
         qsl = np.zeros(B + 1, dtype=np.int32)
         np.cumsum(plan.counts, out=qsl[1:])
         T = int(qsl[-1])
         seq_lens = plan.starts + plan.counts
         pad_tokens = T if pad_seqs == B else pad_seqs
-        segs, (gather, positions, slots, rows, sl, qs) = self._reserve_batch(pad_tokens, pad_seqs)
+        segs, (gather, positions, slots, rows, sl, qs, dest) = self._reserve_batch(pad_tokens, pad_seqs)
+        scratch = self.batch.scratch_row * self.batch.width
         if T == B:  # every sequence has one token: no repeat needed
             pos = plan.starts.astype(np.int64)
             tok_rows = plan.rows
@@ -180,13 +185,15 @@ class ModelRunner:
         rows[:B] = plan.rows
         sl[:B] = seq_lens
         qs[:B + 1] = qsl
+        dest[:B] = np.where(plan.samples, plan.rows.astype(np.int64) * self.batch.width + seq_lens, scratch)
         if pad_seqs > B:
             positions[T:] = 0
-            gather[T:] = 0
+            gather[T:] = scratch
             slots[T:] = -1
-            rows[B:] = 0
+            rows[B:] = self.batch.scratch_row
             sl[B:] = 0
             qs[B + 1:] = T
+            dest[B:] = scratch
         return segs, qsl, seq_lens
 
     def _stage_table_writes(self) -> Optional[tuple[Segment, Segment, Segment, Segment]]:
@@ -197,7 +204,8 @@ class ModelRunner:
         sb = self.staging
         tok_idx = [np.arange(len(t), dtype=np.int64) + row * batch.width for row, t in batch.pending_tokens]
         tok_val = [np.asarray(t, dtype=np.int64) for _, t in batch.pending_tokens]
-        blk_idx = [np.arange(c, c + len(b), dtype=np.int64) + row * batch.max_blocks for row, c, b in batch.pending_blocks]
+        blk_idx = [np.arange(c, c + len(b), dtype=np.int64) + row * batch.max_blocks
+                   for row, c, b in batch.pending_blocks]
         blk_val = [np.asarray(b, dtype=np.int32) for _, _, b in batch.pending_blocks]
         batch.pending_tokens.clear()
         batch.pending_blocks.clear()
@@ -252,6 +260,16 @@ class ModelRunner:
     def _bucket(self, num_seqs: int) -> int:
         return next((s for s in self.graph_sizes if s >= num_seqs), num_seqs)
 
+    def _graph_body(self, segs: BatchSegments) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A whole decode step up to sampling: forward, logits, and the greedy choice, which
+        is written into the token table (sampling rows only; others hit the scratch row).
+        A step that samples otherwise overwrites those ids after the replay."""
+        hidden = self._forward(segs, 1, self.max_model_len, None, None)
+        logits = self.model.compute_logits(hidden)
+        greedy = logits.argmax(dim=-1)
+        self.batch.token_table.view(-1).index_copy_(0, self.staging.view(segs.dest), greedy)
+        return hidden, logits, greedy
+
     def _graph_size(self, plan: StepPlan) -> Optional[int]:
         """The bucket of a pure-decode batch that a captured graph can run, else None."""
         if not self.graphs or plan.num_seqs > self.graph_sizes[-1] or int(plan.counts.max()) != 1:
@@ -268,24 +286,26 @@ class ModelRunner:
         """
         pool = None
         sb = self.staging
+        scratch = self.batch.scratch_row
         for size in reversed(self.graph_sizes):
             sb.begin(0)
-            segs, (gather, positions, slots, rows, sl, qs) = self._reserve_batch(size, size)
-            gather[:] = 0
+            segs, (gather, positions, slots, rows, sl, qs, dest) = self._reserve_batch(size, size)
+            gather[:] = scratch * self.batch.width
             positions[:] = 0
             slots[:] = -1
-            rows[:] = 0
+            rows[:] = scratch
             sl[:] = 1
             qs[:] = np.arange(size + 1)
+            dest[:] = scratch * self.batch.width
             sb.upload()
             for _ in range(2):  # warm up: autotuning and lazy initialization outside capture
-                self._forward(segs, 1, self.max_model_len, None, None)
+                self._graph_body(segs)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self._forward(segs, 1, self.max_model_len, None, None)
+                outputs = self._graph_body(segs)
             pool = graph.pool()
-            self.graphs[size] = (graph, hidden)
+            self.graphs[size] = (graph, outputs)
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), self.graph_sizes)
 
@@ -303,13 +323,15 @@ class ModelRunner:
         writes = self._stage_table_writes()
         sample_idx = np.flatnonzero(plan.samples)
         logits_rows = sb.put((qsl[1:] - 1)[sample_idx].astype(np.int64))
-        dest = sb.put(plan.rows[sample_idx].astype(np.int64) * self.batch.width + seq_lens[sample_idx])
-        sampling = self._stage_sampling(plan, sample_idx, seq_lens)
+        sample_dest = sb.put(plan.rows[sample_idx].astype(np.int64) * self.batch.width + seq_lens[sample_idx])
+        sampling, plain_greedy = self._stage_sampling(plan, sample_idx, seq_lens)
         sb.upload()
 
         self._apply_table_writes(writes)
+        all_rows = len(sample_idx) == plan.num_seqs and int(plan.counts.max()) == 1
+        graph_logits = graph_ids = None
         if graph_size is not None:
-            graph, hidden = self.graphs[graph_size]
+            graph, (hidden, graph_logits, graph_ids) = self.graphs[graph_size]
             graph.replay()
             self.stats_graph_steps += 1
         else:
@@ -317,28 +339,36 @@ class ModelRunner:
 
         prompt_out = self._prompt_logprobs(plan, qsl, hidden)
         req_ids = [plan.states[i].req_id for i in sample_idx.tolist()]
-        if len(sample_idx):
-            all_rows = len(sample_idx) == plan.num_seqs and int(plan.counts.max()) == 1
-            h = hidden[:len(sample_idx)] if all_rows else hidden[sb.view(logits_rows)]
-            logits = self.model.compute_logits(h)  # every rank: the LM head gathers
+        logprobs: Optional[LogprobsTensors] = None
+        n = len(sample_idx)
+        if n and graph_ids is not None and plain_greedy:
+            # The graph already chose and stored the greedy tokens.
+            sampled = graph_ids[:n] if all_rows else graph_ids[sb.view(logits_rows)]
+        elif n:
+            if graph_logits is not None:
+                logits = graph_logits[:n] if all_rows else graph_logits[sb.view(logits_rows)]
+            else:
+                h = hidden[:n] if all_rows else hidden[sb.view(logits_rows)]
+                logits = self.model.compute_logits(h)  # every rank: the LM head gathers
             if self.tp_rank == 0:
                 result = self.sampler(logits, sampling())
                 sampled, logprobs = result.sampled_token_ids, result.logprobs
             else:
-                sampled = torch.empty(len(sample_idx), dtype=torch.int64, device=self.device)
-                logprobs = None
+                sampled = torch.empty(n, dtype=torch.int64, device=self.device)
             tp_broadcast(sampled, src=0)
             # Feed the device-side token table: step N+1 reads these ids from here.
-            self.batch.token_table.view(-1).index_copy_(0, sb.view(dest), sampled)
+            dest = sb.view(segs.dest)[:n] if all_rows else sb.view(sample_dest)
+            self.batch.token_table.view(-1).index_copy_(0, dest, sampled)
         else:
             sampled = torch.empty(0, dtype=torch.int64, device=self.device)
-            logprobs = None
         return AsyncModelOutput(so.step_id, req_ids, sampled, logprobs, prompt_out, self.copy_stream, self.host_ring)
 
     # -- 4. sampling inputs ----------------------------------------------------------------
-    def _stage_sampling(self, plan: StepPlan, sample_idx: np.ndarray, seq_lens: np.ndarray):
-        """Stage the sampled rows' parameters; returns a thunk that builds the metadata
-        from device views after the upload (only the settings some row uses travel)."""
+    def _stage_sampling(self, plan: StepPlan, sample_idx: np.ndarray,
+                        seq_lens: np.ndarray) -> tuple[Callable[[], SamplingMetadata], bool]:
+        """Stage the sampled rows' parameters. Returns a thunk that builds the metadata from
+        device views after the upload (only the settings some row uses travel), and whether
+        the step is plain greedy (argmax alone decides: a decode graph's own choice stands)."""
         b = self.batch
         sb = self.staging
         rows = plan.rows[sample_idx]
@@ -375,6 +405,7 @@ class ModelRunner:
             max_o = int(max(n_out_all.max(), 1))
         lp = b.num_logprobs[rows]
         max_lp = int(lp.max()) if (lp >= 0).any() else None
+        plain_greedy = all_greedy and max_lp is None and not use_pen and "min_tokens_rows" not in seg
 
         def build() -> SamplingMetadata:
             v = {k: sb.view(s) for k, s in seg.items()}
@@ -397,7 +428,7 @@ class ModelRunner:
                     v["pen_rows"], v["pen_plen"], v["pen_slen"], max_p, max_o)
             return md
 
-        return build
+        return build, plain_greedy
 
     def _stage_min_tokens(self, plan: StepPlan, sample_idx: np.ndarray, n_out: np.ndarray) -> tuple[Segment, Segment]:
         """(row, token) pairs to forbid: stop ids and EOS of rows short of min_tokens."""

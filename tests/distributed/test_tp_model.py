@@ -92,7 +92,8 @@ def run_tp(folders: list[str], world_size: int = 2, timeout: float = 120) -> lis
         replies = []
         for rank, (r, _) in enumerate(pipes):
             if not r.poll(timeout):
-                pytest.fail(f"TP rank {rank} answered nothing in {timeout} s (exit codes {[p.exitcode for p in procs]})")
+                codes = [p.exitcode for p in procs]
+                pytest.fail(f"TP rank {rank} answered nothing in {timeout} s (exit codes {codes})")
             replies.append(pickle.loads(r.recv_bytes()))
         for status, payload in replies:
             assert status == "ok", payload
@@ -194,6 +195,7 @@ def test_engine_refuses_unsplittable_model_before_starting_workers(tiny_factory,
                     hf_config=SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, intermediate_size=64)
                     ).check_tensor_parallel(2)
     folder = tiny_factory("llama", num_attention_heads=4, num_key_value_heads=2)
-    assert main(["generate", "--model", folder, "--tensor-parallel-size", "3", "--prompt", "t5", "--max-tokens", "2"]) == 2
+    argv = ["generate", "--model", folder, "--tensor-parallel-size", "3", "--prompt", "t5", "--max-tokens", "2"]
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert "tensor_parallel_size 3 does not fit this model" in err and "num_attention_heads 4" in err
