@@ -6,8 +6,10 @@ elsewhere (its own process by default) behind an ``EngineCoreClient``. Adds and 
 during one turn of the event loop go to the core as one message; one output-handler task
 takes the core's per-step batches and feeds each request's ``RequestStream``.
 
-A stream keeps only the newest ``RequestOutput`` (outputs are cumulative), so a slow reader
-skips intermediate states instead of queueing them. If the core dies or stops answering
+Outputs are cumulative, so a stream keeps only the newest state: while a request runs, the
+stream is merely told that it changed and builds its ``RequestOutput`` when read, so a slow
+reader skips intermediate states instead of queueing them, and nobody pays for outputs that
+are never read. If the core dies or stops answering
 for ``hang_timeout_s``, every live request ends with an error and new ones are refused with
 ``EngineDeadError``.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Literal, Optional, Sequence
+from typing import AsyncIterator, Callable, Literal, Optional, Sequence
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.core_client import EngineCoreClient, InprocEngineCoreClient, ProcessEngineCoreClient
@@ -32,36 +34,46 @@ DEFAULT_HANG_TIMEOUT_S = 30.0
 
 
 class RequestStream:
-    """The outputs of one request, newest first-come: an async iterator ending at ``finished``."""
+    """The outputs of one request: an async iterator ending with the finished output."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, build: Callable[[], RequestOutput]) -> None:
         self.request_id = request_id
         self.finished = False
-        self._latest: Optional[RequestOutput] = None
+        self._build = build  # the request's current output (while it is live)
+        self._final: Optional[RequestOutput] = None
+        self._changed = False
         self._closed = False
         self._event = asyncio.Event()
 
-    def put(self, out: RequestOutput) -> None:
-        self._latest = out
+    def changed(self) -> None:
+        """New tokens arrived; the output is built when read."""
+        self._changed = True
+        self._event.set()
+
+    def put_final(self, out: RequestOutput) -> None:
+        self._final = out
         self._event.set()
 
     def close(self) -> None:
-        """End the iteration after any output already delivered (the request was aborted)."""
+        """End the iteration now (the request was aborted)."""
         self._closed = True
+        self._changed = False
         self._event.set()
 
     def __aiter__(self) -> "RequestStream":
         return self
 
     async def __anext__(self) -> RequestOutput:
-        while self._latest is None:
+        while self._final is None and not self._changed:
             if self.finished or self._closed:
                 raise StopAsyncIteration
             self._event.clear()
             await self._event.wait()
-        out, self._latest = self._latest, None
-        if out.finished:
-            self.finished = True
+        if self._final is not None:
+            out, self._final, self.finished = self._final, None, True
+        else:
+            out = self._build()
+        self._changed = False
         return out
 
 
@@ -119,7 +131,7 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use by a running request")
         req = self.input_processor.process(request_id, prompt, params)
         adds = self.output_processor.add_request(req, arrival_time)
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, lambda: self.output_processor.make_output(request_id))
         self._streams[request_id] = stream
         self._pending.adds += adds
         self._schedule_flush()
@@ -179,13 +191,15 @@ class AsyncLLM:
                                           "(not even a heartbeat): it is hung") from None
                 if batch.fatal_error is not None:
                     raise EngineDeadError(f"the engine core failed: {batch.fatal_error}")
-                processed = self.output_processor.process_outputs(batch.outputs)
-                for out in processed.request_outputs:
-                    stream = self._streams.get(out.request_id)
+                processed = self.output_processor.process_outputs(batch.outputs, final_only=True)
+                for rid in processed.updated:
+                    stream = self._streams.get(rid)
                     if stream is not None:
-                        stream.put(out)
-                        if out.finished:
-                            del self._streams[out.request_id]
+                        stream.changed()
+                for out in processed.request_outputs:  # finished ones
+                    stream = self._streams.pop(out.request_id, None)
+                    if stream is not None:
+                        stream.put_final(out)
                 if processed.core_aborts or processed.core_adds:
                     self._pending.aborts += processed.core_aborts
                     self._pending.adds += processed.core_adds
@@ -209,7 +223,7 @@ class AsyncLLM:
         for out in self.output_processor.fail_all(error):
             stream = self._streams.pop(out.request_id, None)
             if stream is not None:
-                stream.put(out)
+                stream.put_final(out)
         for stream in self._streams.values():
             stream.close()
         self._streams.clear()

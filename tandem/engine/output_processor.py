@@ -62,6 +62,9 @@ class RequestState:
 @dataclass
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
+    # With ``final_only``: unfinished requests that changed, whose output ``make_output``
+    # builds when (and if) someone reads it.
+    updated: list[str]
     core_aborts: list[str]  # core requests to stop (a stop string matched)
     core_adds: list[EngineCoreRequest]  # siblings released now that their prompt is cached
     stats: IterationStats
@@ -145,7 +148,7 @@ class OutputProcessor:
         generation reads nothing else; building one per request per step copies every
         token list and costs a large share of a step's host time at high batch sizes)."""
         now = time.monotonic()
-        result = ProcessedOutputs([], [], [], IterationStats())
+        result = ProcessedOutputs([], [], [], [], IterationStats())
         result.stats.finished, self._aborted = self._aborted, []
         touched: dict[str, RequestState] = {}
         for out in outputs:
@@ -159,9 +162,15 @@ class OutputProcessor:
             if state.finished:
                 result.request_outputs.append(self._make_output(state))
                 self._forget(state)
-            elif not final_only:
+            elif final_only:
+                result.updated.append(state.request_id)
+            else:
                 result.request_outputs.append(self._make_output(state))
         return result
+
+    def make_output(self, request_id: str) -> RequestOutput:
+        """The current output of a live request."""
+        return self._make_output(self.requests[request_id])
 
     def _apply(self, state: RequestState, child: _Child, out: EngineCoreOutput, now: float,
                result: ProcessedOutputs) -> None:
