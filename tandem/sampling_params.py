@@ -9,10 +9,9 @@ from typing import Annotated, Any, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from tandem.validation import StrictModel, show
+from tandem.validation import INT64_MAX, INT64_MIN, StrictModel, show
 
 _GREEDY_EPS = 1e-5
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class SamplingParams(StrictModel):

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal, Optional, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 _MAX_SHOWN = 80  # characters of a refused value shown in a message
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # seeds: what a signed 64-bit generator seed holds
 
 # What a field of each type must be, for pydantic's type-error codes.
 _EXPECTED = {

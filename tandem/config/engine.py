@@ -13,12 +13,11 @@ from typing import Literal, Optional
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tandem.validation import StrictModel, show
+from tandem.validation import INT64_MAX, INT64_MIN, StrictModel, show
 
 logger = logging.getLogger(__name__)
 
 MAX_BLOCK_SIZE = 256  # the largest KV block the attention kernels are built for
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 _GIB = 1 << 30
 _DOTTED_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 

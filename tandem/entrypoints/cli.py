@@ -30,8 +30,6 @@ from tandem.sampling_params import SamplingParams
 from tandem.types.errors import WorkerError
 from tandem.validation import show, unknown_field_message
 
-logger = logging.getLogger(__name__)
-
 EXIT_INTERNAL, EXIT_USER_ERROR, EXIT_INTERRUPTED = 1, 2, 130
 # SamplingParams fields whose flag would clash with (or read like) an engine flag.
 SAMPLING_DESTS = {"seed": "sampling_seed"}

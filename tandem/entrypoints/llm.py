@@ -8,7 +8,6 @@ call's arguments before any request is added. A refused call leaves the ``LLM`` 
 from __future__ import annotations
 
 import itertools
-import logging
 import numbers
 import os
 import struct
@@ -22,8 +21,6 @@ from tandem.engine.llm_engine import LLMEngine, RequestError
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.validation import show
-
-logger = logging.getLogger(__name__)
 
 PromptType = Union[str, Sequence[int]]
 Conversation = list[dict[str, Any]]
