@@ -210,37 +210,47 @@ def bench_tandem(folder: str, workloads: list[str], rounds: int, vocab: int) -> 
     tput = prompts_of(256, 128, vocab, seed=1)
     sp = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     for name, kw in modes.items():
-        t_build = time.perf_counter()
-        llm = tandem_llm(folder, **kw)
-        log(f"{name}: engine ready in {time.perf_counter() - t_build:.1f}s")
-        llm.generate(tput[:16], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-        res: dict[str, Any] = {}
-        if "throughput" in workloads:
-            runs = [run_engine(llm, tput, sp, profile_steps=(40, 100) if r == 0 else None) for r in range(rounds)]
-            best = max(runs, key=lambda r: r["tok_per_s"])
-            best["profile"] = runs[0].get("profile")
-            best["steady_wall_ms_per_loop"] = runs[0].get("steady_wall_ms_per_loop")
-            best["all_tok_per_s"] = [r["tok_per_s"] for r in runs]
-            res["throughput"] = best
-            log(f"{name}: throughput {best['tok_per_s']:.0f} tok/s, {best['ms_per_step']:.2f} ms/step, host "
-                f"{best['host_ms_per_step']:.2f} ms/step, idle {best['profile'] and best['profile']['gpu_idle_share']}")
-        if "batch1" in workloads and name != "tandem_sync":
-            one = prompts_of(1, 128, vocab, seed=2)
-            r = run_engine(llm, one, SamplingParams(temperature=0, max_tokens=512, ignore_eos=True))
-            res["batch1"] = r
-            log(f"{name}: batch-1 {r['tok_per_s']:.0f} tok/s")
-        if "prefill" in workloads and name == "tandem_async":
-            long = prompts_of(8, 8192, vocab, seed=3)
-            run_engine(llm, long[:1], SamplingParams(temperature=0, max_tokens=1))  # warm the long shapes
-            r = run_engine(llm, long, SamplingParams(temperature=0, max_tokens=1))
-            r["prompt_tokens"] = 8 * 8192
-            res["prefill"] = r
-            log(f"{name}: prefill 8x8192 in {r['wall_s']:.3f}s")
-        out[name] = res
-        llm.shutdown()
-        del llm
+        try:
+            out[name] = _bench_tandem_mode(folder, name, kw, workloads, rounds, vocab, tput, sp)
+        except Exception as e:  # keep the other modes' numbers
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            log(f"{name}: {out[name]['error']}")
         free_cuda()
     return out
+
+
+def _bench_tandem_mode(folder: str, name: str, kw: dict[str, Any], workloads: list[str], rounds: int, vocab: int,
+                       tput: list[list[int]], sp: Any) -> dict[str, Any]:
+    from tandem import SamplingParams
+
+    t_build = time.perf_counter()
+    llm = tandem_llm(folder, **kw)
+    log(f"{name}: engine ready in {time.perf_counter() - t_build:.1f}s")
+    llm.generate(tput[:16], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    res: dict[str, Any] = {}
+    if "throughput" in workloads:
+        runs = [run_engine(llm, tput, sp, profile_steps=(40, 100) if r == 0 else None) for r in range(rounds)]
+        best = max(runs, key=lambda r: r["tok_per_s"])
+        best["profile"] = runs[0].get("profile")
+        best["steady_wall_ms_per_loop"] = runs[0].get("steady_wall_ms_per_loop")
+        best["all_tok_per_s"] = [r["tok_per_s"] for r in runs]
+        res["throughput"] = best
+        log(f"{name}: throughput {best['tok_per_s']:.0f} tok/s, {best['ms_per_step']:.2f} ms/step, host "
+            f"{best['host_ms_per_step']:.2f} ms/step, idle {best['profile'] and best['profile']['gpu_idle_share']}")
+    if "batch1" in workloads and name != "tandem_sync":
+        one = prompts_of(1, 128, vocab, seed=2)
+        r = run_engine(llm, one, SamplingParams(temperature=0, max_tokens=512, ignore_eos=True))
+        res["batch1"] = r
+        log(f"{name}: batch-1 {r['tok_per_s']:.0f} tok/s")
+    if "prefill" in workloads and name == "tandem_async":
+        long = prompts_of(8, 8192, vocab, seed=3)
+        run_engine(llm, long[:1], SamplingParams(temperature=0, max_tokens=1))  # warm the long shapes
+        r = run_engine(llm, long, SamplingParams(temperature=0, max_tokens=1))
+        r["prompt_tokens"] = 8 * 8192
+        res["prefill"] = r
+        log(f"{name}: prefill 8x8192 in {r['wall_s']:.3f}s")
+    llm.shutdown()
+    return res
 
 
 # -- Hugging Face ------------------------------------------------------------------------
@@ -251,12 +261,12 @@ def hf_model(folder: str, attn: str) -> Any:
 
 
 def bench_hf_static_compiled(folder: str, prompts: list[list[int]], new_tokens: int, rounds: int) -> dict[str, Any]:
-    """``generate`` with a static cache and a compiled forward (CUDA graphs), all prompts one
-    batch (they have equal length, so there is no padding)."""
+    """``generate`` with a static cache, which transformers compiles itself (torch.compile,
+    "reduce-overhead": CUDA graphs) on first use; all prompts one batch (equal lengths, so
+    no padding). Timed after two untimed calls that compile and warm up."""
     from transformers import GenerationConfig
 
     model = hf_model(folder, "sdpa")
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     ids = torch.tensor(prompts, device="cuda")
     gc_ = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                            cache_implementation="static", eos_token_id=None, pad_token_id=0)
@@ -353,22 +363,33 @@ def main() -> int:
         folder = build_model(tempfile.mkdtemp(prefix=f"tandem-{name}-"), shape)
         log(f"built {name}")
         row: dict[str, Any] = {}
+        result["shapes"][name] = row
+
+        def save() -> None:
+            analyse(row, shape, result["ceilings"])
+            with open(a.out, "w") as f:
+                json.dump(result, f, indent=1, default=str)
+
+        def attempt(key: str, wl: str, fn: Any) -> None:
+            """One system's run; an error is recorded, not fatal, and the JSON is saved."""
+            try:
+                row.setdefault(key, {})[wl] = fn()
+            except Exception as e:  # keep the other systems' numbers
+                row.setdefault(key, {})[wl] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            log(f"{key} {wl}: {row[key][wl].get('tok_per_s', row[key][wl].get('error'))}")
+            save()
+
         if "tandem" in systems:
             row.update(bench_tandem(folder, workloads, a.rounds, shape["vocab_size"]))
+            save()
         tput = prompts_of(256, 128, shape["vocab_size"], seed=1)
-        if "hf_static" in systems and "throughput" in workloads:
-            row["hf_static_compiled"] = {"throughput": bench_hf_static_compiled(folder, tput, 128, a.rounds)}
-            log(f"hf static compiled: {row['hf_static_compiled']['throughput']['tok_per_s']:.0f} tok/s")
-            if "batch1" in workloads:
-                one = prompts_of(1, 128, shape["vocab_size"], seed=2)
-                row["hf_static_compiled"]["batch1"] = bench_hf_static_compiled(folder, one, 512, 1)
         if "hf_batch" in systems and "throughput" in workloads:
-            row["hf_generate_batch"] = {"throughput": bench_hf_generate_batch(folder, tput, 128)}
-            log(f"hf generate_batch: {row['hf_generate_batch']['throughput']}")
-        analyse(row, shape, result["ceilings"])
-        result["shapes"][name] = row
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+            attempt("hf_generate_batch", "throughput", lambda: bench_hf_generate_batch(folder, tput, 128))
+        if "hf_static" in systems and "throughput" in workloads:
+            attempt("hf_static_compiled", "throughput", lambda: bench_hf_static_compiled(folder, tput, 128, a.rounds))
+        if "hf_static" in systems and "batch1" in workloads:
+            one = prompts_of(1, 128, shape["vocab_size"], seed=2)
+            attempt("hf_static_compiled", "batch1", lambda: bench_hf_static_compiled(folder, one, 512, 1))
     print_table(result)
     return 0
 

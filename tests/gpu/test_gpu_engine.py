@@ -86,21 +86,32 @@ def _first_divergence(a: list[int], b: list[int]) -> int:
 
 
 def test_bf16_triton_matches_sdpa_on_most_prompts(sharp_model, capsys):
-    """Different kernels sum in different orders: bf16 rounding may flip a near-tie, after
-    which the two continuations legitimately differ. Most prompts must agree entirely."""
+    """Different kernels sum in different orders: bf16 rounding can flip a near-tie, after
+    which the two continuations legitimately differ. Most prompts must agree entirely, and
+    every first difference must be a near-tie of the reference: the token the Triton path
+    chose is in the SDPA path's top 5 there, within 0.5 nats of its choice."""
     from tandem import SamplingParams
 
     prompts = _prompts(32, 3, 300, seed=1)
-    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
     with _llm(sharp_model, dtype="bfloat16", attention_backend="sdpa", enforce_eager=True) as ref:
-        want = _tokens(ref, prompts, sp)
+        want = ref.generate(prompts, sp, use_tqdm=False)
     with _llm(sharp_model, dtype="bfloat16", attention_backend="triton") as fast:
-        got = _tokens(fast, prompts, sp)
-    same = sum(g == w for g, w in zip(got, want))
-    firsts = sorted(_first_divergence(g, w) for g, w in zip(got, want) if g != w)
-    msg = f"bf16 triton vs sdpa: {same}/{len(prompts)} prompts identical; first differing positions {firsts}"
+        got = _tokens(fast, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    same, gaps = 0, []
+    for g, w in zip(got, want):
+        wt = w.outputs[0].token_ids
+        if g == wt:
+            same += 1
+            continue
+        i = _first_divergence(g, wt)
+        top = w.outputs[0].logprobs[i]
+        assert g[i] in top, f"position {i}: token {g[i]} not in the reference's top 5 {sorted(top)}"
+        gaps.append(round(top[wt[i]].logprob - top[g[i]].logprob, 3))
+    msg = f"bf16 triton vs sdpa: {same}/{len(prompts)} prompts identical; logprob gaps at first differences {gaps}"
     print(msg)
-    assert same >= 0.75 * len(prompts), msg
+    assert same > len(prompts) // 2, msg
+    assert all(gap <= 0.5 for gap in gaps), msg
 
 
 def test_decode_launches_have_no_hidden_synchronization(sharp_model):
