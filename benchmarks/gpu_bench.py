@@ -231,8 +231,8 @@ def _bench_tandem_mode(folder: str, name: str, kw: dict[str, Any], workloads: li
     if "throughput" in workloads:
         runs = [run_engine(llm, tput, sp, profile_steps=(40, 100) if r == 0 else None) for r in range(rounds)]
         best = max(runs, key=lambda r: r["tok_per_s"])
-        best["profile"] = runs[0].get("profile")
-        best["steady_wall_ms_per_loop"] = runs[0].get("steady_wall_ms_per_loop")
+        for key in ("profile", "profile_window", "steady_wall_ms_per_loop"):  # round 0 is the profiled one
+            best[key] = runs[0].get(key)
         best["all_tok_per_s"] = [r["tok_per_s"] for r in runs]
         res["throughput"] = best
         log(f"{name}: throughput {best['tok_per_s']:.0f} tok/s, {best['ms_per_step']:.2f} ms/step, host "
@@ -398,7 +398,7 @@ def analyse(row: dict[str, Any], shape: dict[str, Any], ceilings: dict[str, floa
     bw, peak = ceilings["copy_bytes_per_s"], ceilings["bf16_flops_per_s"]
     for name in ("tandem_sync", "tandem_async", "tandem_async_eager"):
         t = row.get(name, {}).get("throughput")
-        if t and t.get("profile"):
+        if t and t.get("profile") and t.get("profile_window"):
             bound = decode_bound_ms(shape, 256, 128 + 64, bw)  # mean context over the decode phase
             busy_per_step = t["profile"]["gpu_busy_ms"] / max(1, t["profile_window"][1] - t["profile_window"][0])
             t["hbm_bound_ms"] = bound
