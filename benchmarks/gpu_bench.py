@@ -310,6 +310,9 @@ def bench_hf_generate_batch(folder: str, prompts: list[list[int]], new_tokens: i
             n = sum(len(r.generated_tokens) for r in res.values())
             del model
             free_cuda()
+            if n == 0:  # nothing generated: record why and try the next implementation
+                errors.append(f"{attn}: no tokens generated; first result {next(iter(res.values()), None)!r}"[:600])
+                continue
             return dict(wall_s=wall, output_tokens=n, tok_per_s=n / wall, attn_implementation=attn)
         except Exception as e:  # try the next attention implementation name
             errors.append(f"{attn}: {type(e).__name__}: {e}"[:300])
