@@ -2,6 +2,8 @@
 costs two torch imports); tests that kill or stop a server start their own."""
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from server_utils import ServerProcess
@@ -15,7 +17,7 @@ SERVER_ARGS = ("--max-model-len", "512", "--num-kv-blocks", "512", "--block-size
 def server(tiny_llama, tmp_path_factory):
     s = ServerProcess(tiny_llama, *SERVER_ARGS, tmp=tmp_path_factory.mktemp("server"))
     yield s
-    assert s.stop() == 0, s.log.read_text()
+    assert s.stop(signal.SIGINT) == 0, s.log.read_text()  # Ctrl-C: the same clean stop as SIGTERM
 
 
 @pytest.fixture(scope="session")

@@ -56,14 +56,17 @@ def descendants(pid: int) -> list[int]:
 class ServerProcess:
     """One server process; ``stop()`` sends a signal and checks the exit and the leftovers."""
 
-    def __init__(self, model: str, *args: str, tmp: Path, api_key: Optional[str] = None) -> None:
+    def __init__(self, model: str, *args: str, tmp: Path, api_key: Optional[str] = None,
+                 chat_template: bool = True) -> None:
+        """``model=""``: the embedded default; ``chat_template``: give the test template."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.api_key = api_key
-        template = tmp / "template.jinja"
-        template.write_text(CHAT_TEMPLATE)
-        cmd = [sys.executable, "-m", "tandem.entrypoints.openai", model, "--port", str(self.port),
-               "--chat-template", str(template), *args]
+        cmd = [sys.executable, "-m", "tandem.entrypoints.openai", *([model] if model else []),
+               "--port", str(self.port), *args]
+        if chat_template:
+            template = tmp / "template.jinja"
+            template.write_text(CHAT_TEMPLATE)
+            cmd += ["--chat-template", str(template)]
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = tmp / f"server-{self.port}.log"

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import sys
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Optional
@@ -45,14 +46,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="declare the engine core hung (and fail its requests) after this long without a message")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
-    EngineConfig.add_cli_args(parser)
+    EngineConfig.add_cli_args(parser.add_argument_group("engine (as EngineConfig)"))
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    """Run the server until SIGINT/SIGTERM; 0 on a clean stop, 2 on bad arguments."""
+    """Run the server until SIGINT/SIGTERM: 0 on a clean stop, 2 on bad arguments or model files,
+    1 when the engine core or the server cannot start, 130 on Ctrl-C during the start."""
     import uvicorn
 
     from tandem.engine.async_llm import AsyncLLM
+    from tandem.engine.messages import EngineStartError
+    from tandem.entrypoints.llm import prepare_model
     from tandem.entrypoints.openai.api_server import build_app
     from tandem.entrypoints.openai.metrics import PrometheusStatLogger
     from tandem.entrypoints.openai.serving import ServerSettings
@@ -74,12 +78,26 @@ def serve_main(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_names=names, api_key=args.api_key or os.environ.get("TANDEM_API_KEY"),
                               max_n=args.max_n, max_prompts=args.max_prompts,
                               max_body_bytes=args.max_request_body_bytes, chat_template=chat_template)
+    try:  # the port first: a taken one fails in a second, not after the model has loaded
+        sock = _listen_socket(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
     stat_logger = PrometheusStatLogger(names[0])
     try:
-        engine = AsyncLLM(config, stat_logger=stat_logger, hang_timeout_s=args.engine_hang_timeout_s)
-    except ValueError as e:
+        model_config = prepare_model(config)  # the model files and the machine, before any process starts
+        engine = AsyncLLM(config, model_config, stat_logger=stat_logger, hang_timeout_s=args.engine_hang_timeout_s)
+    except (ValueError, OSError) as e:
+        sock.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except EngineStartError as e:
+        sock.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C while the model loads: the core process is already stopped
+        sock.close()
+        return 130
 
     @asynccontextmanager
     async def lifespan(_: object) -> AsyncIterator[None]:
@@ -94,7 +112,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         try:
-            await server.serve()
+            await server.serve(sockets=[sock])
         finally:  # uvicorn never started (e.g. the port is taken): the lifespan did not stop the engine
             await engine.shutdown()
 
@@ -104,9 +122,23 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         asyncio.run(run())
     finally:
+        sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0 if server.started else 1
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for ``host:port`` (IPv4 or IPv6, as the host resolves); uvicorn listens on it."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _ignore(signum: int, frame: object) -> None:
