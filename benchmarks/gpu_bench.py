@@ -295,12 +295,12 @@ def bench_hf_generate_batch(folder: str, prompts: list[list[int]], new_tokens: i
     from transformers import GenerationConfig
 
     errors = []
-    for attn in ("sdpa_paged", "paged|sdpa", "sdpa"):
+    for attn in ("paged|sdpa", "sdpa"):
         try:
             model = hf_model(folder, attn)
             gc_ = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                    eos_token_id=None, pad_token_id=0)
-            with torch.inference_mode():
+            with torch.no_grad():  # generate_batch works on a thread of its own: no inference_mode tensors
                 model.generate_batch(inputs=prompts[:8], generation_config=gc_, progress_bar=False)
                 torch.cuda.synchronize()
                 t = time.perf_counter()
