@@ -197,7 +197,8 @@ def test_hashes_cover_output_tokens_too():
     admit(kv, a)
     a.output_token_ids.append(4)  # sampled; its KV is computed by the next step
     kv.cache_full_blocks(a, a.num_computed_tokens)
-    assert len(a.block_hashes) == 1 and len(kv.pool.cached) == 0, "position 3 not computed yet"
+    # (hashes are computed lazily, when a block can be published: nothing is cached yet)
+    assert len(kv.pool.cached) == 0, "position 3 not computed yet"
     kv.allocate_slots(a, 1)
     a.num_computed_tokens += 1
     kv.cache_full_blocks(a, a.num_computed_tokens)
