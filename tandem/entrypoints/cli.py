@@ -89,13 +89,36 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap --prompt/--input prompts in the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object per completion")
     g.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
-    g.add_argument("--debug", action="store_true", help="show the traceback of an error (and debug logs)")
-    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning",
-                   help="log level of tandem's messages ('debug' also shows tracebacks)")
+    _add_log_args(g)
     SamplingParams.add_cli_args(g.add_argument_group("sampling (per request, as SamplingParams)"), SAMPLING_DESTS)
     EngineConfig.add_cli_args(g.add_argument_group("engine (as EngineConfig)"))
     g.set_defaults(func=cmd_generate)
+
+    from tandem.entrypoints.openai.serve import add_serve_args, serve_main
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Serve a model over the OpenAI API until SIGINT/SIGTERM.")
+    add_serve_args(s)
+    _add_log_args(s)
+    s.set_defaults(func=serve_main)
+
+    from tandem.bench import serve as bench_serve
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bench_sub = b.add_subparsers(dest="bench_command", required=True)
+    bs = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server (like vllm bench serve)",
+                              description=bench_serve.DESCRIPTION)
+    bench_serve.add_cli_args(bs)
+    _add_log_args(bs)
+    bs.set_defaults(func=bench_serve.main)
     return parser
+
+
+def _add_log_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error (and debug logs)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning",
+                   help="log level of tandem's messages ('debug' also shows tracebacks)")
 
 
 # -- requests: --prompt and --input rows ------------------------------------------------------------
