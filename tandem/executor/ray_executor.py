@@ -93,7 +93,8 @@ class RayWorkerWrapper:
 
         try:
             if not MethodTable(type(self.worker)).allowed(method):
-                raise AttributeError(f"{method!r} is not a method {type(self.worker).__qualname__} exposes to its driver")
+                raise AttributeError(f"{method!r} is not a method {type(self.worker).__qualname__} "
+                                     "exposes to its driver")
             result = getattr(self.worker, method)(*args, **kwargs)
             if isinstance(result, AsyncModelOutput):
                 result = result.get()  # the host copy: the actor answers with plain data
