@@ -26,6 +26,7 @@ from typing import Optional
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.core_loop import DEFAULT_HEARTBEAT_S, EngineCoreLoop
+from tandem.engine.core_process import CORE_ENDPOINT, FRONT_ENDPOINT, MODULE, CoreReady, CoreStartup
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.messages import CoreInput, CoreOutputBatch, EngineDeadError, EngineStartError
 
@@ -159,7 +160,6 @@ class ProcessEngineCoreClient(_HandoverClient):
         import zmq
 
         from tandem import ipc
-        from tandem.engine.core_process import CORE_ENDPOINT, FRONT_ENDPOINT, MODULE, CoreReady, CoreStartup
 
         super().__init__()
         secret, self._dir = ipc.new_secret(), ipc.PrivateDir.create()
@@ -173,7 +173,7 @@ class ProcessEngineCoreClient(_HandoverClient):
         try:
             self._proc = ipc.start_child(MODULE, [self._dir.path], secret, stdout=2)
             self._chan.send(CoreStartup(config, ipc.WireModelConfig.from_config(model_config), heartbeat_s))
-            ready = self._wait_ready(CoreReady, config.worker_start_timeout_s)
+            ready = self._wait_ready(config.worker_start_timeout_s)
         except BaseException:
             self._stop(timeout_s=0.0)
             raise
@@ -182,12 +182,12 @@ class ProcessEngineCoreClient(_HandoverClient):
         self._reader = threading.Thread(target=self._read, name="tandem-core-reader", daemon=True)
         self._reader.start()
 
-    def _wait_ready(self, ready_type: type, timeout_s: float):  # -> CoreReady
+    def _wait_ready(self, timeout_s: float) -> CoreReady:
         deadline = time.monotonic() + timeout_s
         assert self._proc is not None
         while True:
             try:
-                ready = self._chan.recv(ready_type, timeout_s=_POLL_S)
+                ready = self._chan.recv(CoreReady, timeout_s=_POLL_S)
                 break
             except TimeoutError:
                 pass
