@@ -8,27 +8,22 @@ order (A S, S A, A S, ...) so drift in machine load hits every mode alike.
 Per mode (median over rounds): wall time, generated tokens/s, engine steps (launched
 batches, from ``engine.core.stats``), mean wall time per step, process CPU time per step
 (``time.process_time`` delta / steps: all threads, i.e. forward + host work) and main-thread
-CPU time per step (``time.thread_time`` of the thread that calls ``generate``: the forward
-runs inline there except in ``async-thread`` mode, where this is the host-side share only),
-and for async the launched-ahead fraction
+CPU time per step (``time.thread_time`` of the thread that calls ``generate``; with the
+uniproc executor the forward runs inline there), and for async the launched-ahead fraction
 (``num_launched_ahead / num_launched``: steps scheduled while an earlier one was still in
 flight), and the scheduled / dropped token counts (a dropped token was computed for a request
 that had already finished: async's cost of scheduling before the previous step's tokens are
-known). Also checks that every mode produces identical token ids (they must).
+known). Also checks that both modes produce identical token ids (they must).
 
-Modes (``--modes``, default ``async,sync``): ``async`` and ``sync`` are the engine defaults
-with ``async_scheduling`` on / off. On the CPU the uniproc executor runs each step inline
-by default, so ``async`` schedules step N+1 before it applies step N's tokens but the
-forward itself is still synchronous. ``async-thread`` additionally turns on the executor's
-opt-in step thread (``UniProcExecutor(step_thread=True)``; set here on the built engine,
-since ``EngineConfig`` has no field for it), so the CPU forward overlaps the host work.
+The two modes are the engine defaults with ``async_scheduling`` on / off. On the CPU the
+uniproc executor runs each step inline, so ``async`` schedules step N+1 before it applies
+step N's tokens but the forward itself is still synchronous; ``--executor multiproc`` runs
+the forward in a worker process, which async then overlaps with the engine's host work.
 
 ``--isolate`` runs each mode's engine in its own worker process (spawned once, rounds still
-interleaved, the others idle while one runs). It is switched on automatically with
-``async-thread``: a second thread issuing torch ops owns a second OpenMP team, and once a
-process has more OpenMP threads than cores libgomp throttles its spin-waiting, which slows
-*every* engine of that process (measured ~1.4x on 2 cores), so an in-process comparison
-would be unfair to all modes alike. Without it, engines share this process.
+interleaved, the other idle while one runs), so neither engine's threads (a multiproc
+executor's reader, OpenMP teams) share a process with the other's. Without it, both
+engines share this process.
 
     python benchmarks/async_vs_sync.py --num-prompts 32 --rounds 3 --json-out out.json
 """
@@ -51,29 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
                                  epilog="\n".join(__doc__.splitlines()[1:]))
     bc.common_prompt_args(ap)
     ap.add_argument("--cpu-kv-cache-gib", type=float, default=0.5, help="KV cache of each engine on the CPU")
-    ap.add_argument("--isolate", action="store_true",
-                    help="one worker process per mode (automatic with async-thread)")
+    ap.add_argument("--isolate", action="store_true", help="one worker process per mode")
     ap.add_argument("--executor", default="auto", choices=("auto", "uniproc", "multiproc", "ray"),
                     help="tandem executor of every engine (multiproc: the forward runs in a worker process, "
                          "so async overlaps it with the engine's host work even on the CPU)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--modes", default="async,sync",
-                    help="comma list of async, sync, async-thread (first two are compared as async/sync)")
     return ap
-
-
-def enable_step_thread(llm: Any) -> None:
-    """Turn on the uniproc executor's opt-in step thread on an already built async engine."""
-    import inspect
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tandem.executor.uniproc import UniProcExecutor
-
-    ex = llm.engine.core.executor
-    if not isinstance(ex, UniProcExecutor) or "step_thread" not in inspect.signature(UniProcExecutor).parameters:
-        raise SystemExit("async-thread: this tandem's uniproc executor has no step_thread option")
-    if ex._pool is None:
-        ex._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-step")
 
 
 def run_once(llm: Any, prompts: list[list[int]], params: list[Any], device: str) -> tuple[dict[str, float], list]:
@@ -97,10 +75,7 @@ def run_once(llm: Any, prompts: list[list[int]], params: list[Any], device: str)
 def build_engine(mode: str, model: Any, common: dict[str, Any]) -> Any:
     from tandem import LLM
 
-    llm = LLM(model=model, async_scheduling=(mode != "sync"), **common)
-    if mode == "async-thread":
-        enable_step_thread(llm)
-    return llm
+    return LLM(model=model, async_scheduling=(mode == "async"), **common)
 
 
 def make_params(output_lens: list[int], detokenize: bool) -> tuple[list[Any], Any]:
@@ -188,15 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                   max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.enable_prefix_caching,
                   cpu_kv_cache_gib=a.cpu_kv_cache_gib, executor=a.executor,
                   tensor_parallel_size=a.tensor_parallel_size)
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("async", "sync", "async-thread")]
-    if bad or "async" not in modes or "sync" not in modes:
-        raise SystemExit(f"--modes must include async and sync, and only async/sync/async-thread; got {a.modes!r}")
-    isolate = a.isolate or "async-thread" in modes
+    isolate = a.isolate
     runner_cls = SubprocRunner if isolate else InProcRunner
-    print(f"# modes: {', '.join(modes)}; engines {'in one worker process each' if isolate else 'in this process'}",
-          flush=True)
-    engines = {m: runner_cls(m, a.model, common, wl, not a.no_detokenize) for m in modes}
+    print(f"# engines {'in one worker process each' if isolate else 'in this process'}", flush=True)
+    engines = {m: runner_cls(m, a.model, common, wl, not a.no_detokenize) for m in ("async", "sync")}
 
     raw: dict[str, list[dict[str, float]]] = {n: [] for n in engines}
     tokens: dict[str, list] = {}

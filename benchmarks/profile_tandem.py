@@ -2,11 +2,11 @@
 
 Runs the ``offline_throughput.py`` workload once through tandem after a warm-up and prints
 the top functions by own time and by cumulative time, then (``--torch-ops``) the top torch
-operators by self CPU time. cProfile only sees the thread it runs in, so the default is
-``--no-async-scheduling`` here: the forward pass then runs in the profiled main thread and
-one profile covers scheduling, input preparation, the model, sampling and detokenization.
-With ``--async-scheduling`` the profile shows the host side only (the forward is on the
-step thread), which is what overlaps with the model.
+operators by self CPU time. cProfile only sees the thread it runs in; with the uniproc
+executor every step runs inline in the profiled main thread, so one profile covers
+scheduling, input preparation, the model, sampling and detokenization. The default is
+``--no-async-scheduling`` (the synchronous loop, the simpler one to read);
+``--async-scheduling`` profiles the same work in the async loop's order.
 
     python benchmarks/profile_tandem.py --top 25 --torch-ops
 """

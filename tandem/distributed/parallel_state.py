@@ -98,18 +98,3 @@ def tp_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
     dist.broadcast(x, src=src, group=_STATE.group)
     return x
 
-
-class pretend_tp_rank:
-    """Testing aid: make layers built inside the ``with`` block see ``rank``/``world_size``
-    without a process group (for checking weight sharding). Collectives must not run."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.state = _TPState(rank=rank, world_size=world_size)
-
-    def __enter__(self) -> None:
-        global _STATE
-        self._saved, _STATE = _STATE, self.state
-
-    def __exit__(self, *exc: object) -> None:
-        global _STATE
-        _STATE = self._saved

@@ -1,15 +1,17 @@
 """Runs the one worker inside the engine process.
 
-Steps run inline by default and hand back a future whose ``result()`` waits for the step's
-host copy. On CUDA that is already asynchronous: kernel launches return at once and the
-copy is awaited only when the engine reads the future. ``step_thread=True`` instead runs
-steps on one dedicated thread (FIFO, so they execute in the order scheduled), which lets a
-CPU forward pass overlap the engine's Python work where torch releases the GIL.
+Each step runs inline: ``execute_model`` launches it on the worker and hands back a future
+whose ``result()`` waits for the step's host copy. On CUDA that is already asynchronous:
+kernel launches return at once and the copy is awaited only when the engine reads the
+future. On the CPU the forward itself runs inside ``execute_model``; async scheduling still
+builds step N+1 before it applies step N's tokens. (A dedicated step thread would let a
+CPU forward overlap the engine's Python work, but it fights the main thread for the GIL
+and the cores and was measured slower; see ``benchmarks/RESULTS.md``.)
 """
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Optional
 
 from tandem.config import EngineConfig, ModelConfig
@@ -21,10 +23,14 @@ from tandem.worker.worker import resolve_worker_class
 
 
 class _StepFuture(Future):
-    """Resolves a launched step into its output on first ``result()``: the host copy is
-    waited on by the caller that needs the tokens, not by the thread that launched it."""
+    """A launched step, resolved into its output on the first ``result()``: the host copy is
+    waited on by the caller that needs the tokens, not when the step is launched.
 
-    def __init__(self, launched: "Future[AsyncModelOutput]") -> None:
+    ``AsyncModelOutput.get()`` must run once (it releases its pinned buffer), and a future
+    may be read from any thread, so the resolution is serialized by a lock.
+    """
+
+    def __init__(self, launched: AsyncModelOutput) -> None:
         super().__init__()
         self._launched = launched
         self._lock = threading.Lock()
@@ -33,29 +39,24 @@ class _StepFuture(Future):
         with self._lock:
             if not self.done():
                 try:
-                    self.set_result(self._launched.result(timeout).get())
+                    self.set_result(self._launched.get())
                 except BaseException as e:  # the worker's own error, re-raised below
                     self.set_exception(e)
         return super().result()
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, step_thread: bool = False) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         self.worker = resolve_worker_class(config.worker_cls)(config, model_config)
-        self._pool: Optional[ThreadPoolExecutor] = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-step")
-            if step_thread and config.async_scheduling else None
-        )
 
     def execute_model(self, so: SchedulerOutput) -> "Future[ModelRunnerOutput]":
-        if self._pool is None:
-            launched: Future = Future()
-            try:
-                launched.set_result(self.worker.execute_model(so))
-            except BaseException as e:
-                launched.set_exception(e)
-        else:
-            launched = self._pool.submit(self.worker.execute_model, so)
+        try:
+            launched = self.worker.execute_model(so)
+        except BaseException as e:  # a launch error is the step's error, raised from its future
+            failed: Future = Future()
+            failed.set_exception(e)
+            return failed
+        assert launched is not None, "the only rank is rank 0, which always reports its output"
         return _StepFuture(launched)
 
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -65,6 +66,4 @@ class UniProcExecutor(Executor):
         """Nothing to check: the worker lives in this process, so if we run, it runs."""
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Nothing to stop: the worker is released with this executor."""

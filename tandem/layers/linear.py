@@ -77,10 +77,6 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    """Same full weight on every rank."""
-
-
 class ColumnParallelLinear(LinearBase):
     """Output dim split across ranks; each rank produces its slice of the output."""
 

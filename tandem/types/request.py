@@ -8,7 +8,6 @@ Invariants (checked in tests):
 from __future__ import annotations
 
 import enum
-import time
 from typing import Optional
 
 from tandem.sampling_params import SamplingParams
@@ -54,7 +53,6 @@ class Request:
         self.eos_token_ids = list(eos_token_ids)
         self.max_tokens = max_tokens
         self.sample_seed = sample_seed
-        self.arrival_time = time.monotonic()
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None

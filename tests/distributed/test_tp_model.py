@@ -2,17 +2,18 @@
 exactly its slice of every checkpoint tensor."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import pickle
 import socket
 import traceback
+from typing import Iterator
 
 import pytest
 import torch
 
-from tandem.distributed import init_tensor_parallel
 from tandem.config import ModelConfig
-from tandem.distributed.parallel_state import destroy_tensor_parallel, pretend_tp_rank
+from tandem.distributed import destroy_tensor_parallel, init_tensor_parallel, parallel_state
 from tandem.layers.attention import AttentionMetadata, set_forward_context
 from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -26,6 +27,16 @@ STEPS = [
     [(0, [11]), (1, [12]), (2, [13])],
     [(0, [14]), (1, [15]), (2, [16])],
 ]
+
+
+@contextlib.contextmanager
+def pretend_tp_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world_size: int) -> Iterator[None]:
+    """Layers built inside the ``with`` block see ``rank``/``world_size`` without a process
+    group (for checking weight sharding; no collective may run). The previous state is
+    restored on exit."""
+    with monkeypatch.context() as mp:
+        mp.setattr(parallel_state, "_STATE", parallel_state._TPState(rank=rank, world_size=world_size))
+        yield
 
 
 def paged_logits(folder: str, world_size: int) -> torch.Tensor:
@@ -130,7 +141,7 @@ def test_tp2_logits_equal_tp1(tiny_factory):
 
 
 @pytest.mark.timeout(30)
-def test_each_rank_loads_its_slice():
+def test_each_rank_loads_its_slice(monkeypatch):
     g = torch.Generator().manual_seed(0)
     hidden, heads, kv_heads, hd, inter, vocab = 8, 4, 2, 2, 6, 11
     q = torch.randn(heads * hd, hidden, generator=g)
@@ -140,7 +151,7 @@ def test_each_rank_loads_its_slice():
     down = torch.randn(hidden, inter, generator=g)
     emb = torch.randn(vocab, hidden, generator=g)
     for rank in range(2):
-        with pretend_tp_rank(rank, 2):
+        with pretend_tp_rank(monkeypatch, rank, 2):
             qkv = QKVParallelLinear(hidden, hd, heads, kv_heads)
             mlp = MergedColumnParallelLinear(hidden, [inter, inter])
             row = RowParallelLinear(inter, hidden, bias=True)
@@ -173,13 +184,14 @@ def test_each_rank_loads_its_slice():
     (3, 3, 2, "num_attention_heads 3 is not divisible by tensor_parallel_size 2"),
     (8, 3, 4, "must be a multiple of num_key_value_heads 3"),
 ])
-def test_unsplittable_shapes_are_refused_clearly(heads, kv_heads, tp, match):
-    with pretend_tp_rank(0, tp), pytest.raises(ValueError, match=match):
+def test_unsplittable_shapes_are_refused_clearly(monkeypatch, heads, kv_heads, tp, match):
+    with pretend_tp_rank(monkeypatch, 0, tp), pytest.raises(ValueError, match=match):
         QKVParallelLinear(16, 4, heads, kv_heads)
 
 
-def test_kv_heads_replicate_when_ranks_outnumber_them():
-    with pretend_tp_rank(3, 4):
+@pytest.mark.timeout(30)
+def test_kv_heads_replicate_when_ranks_outnumber_them(monkeypatch):
+    with pretend_tp_rank(monkeypatch, 3, 4):
         qkv = QKVParallelLinear(16, 4, 8, 2)
     assert (qkv.num_heads, qkv.num_kv_heads, qkv.kv_replicas) == (2, 1, 2)
 
