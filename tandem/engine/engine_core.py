@@ -27,6 +27,7 @@ from typing import Iterable, Optional
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.messages import CoreStats
+from tandem.engine.interrupts import deferred_sigint
 from tandem.executor import Executor, create_executor
 from tandem.scheduler.kv_cache import KVCacheManager
 from tandem.scheduler.scheduler import Scheduler
@@ -109,15 +110,16 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         launched = False
         if len(self.batch_queue) < self.depth and self.scheduler.has_unfinished_requests():
-            so = self.scheduler.schedule()
-            if not so.is_empty:
-                if self._arrivals:
-                    self._note_first_scheduled(so)
-                if self.batch_queue:
-                    self.stats.num_launched_ahead += 1
-                self.batch_queue.append((so, self.executor.execute_model(so)))
-                self.stats.num_launched += 1
-                launched = True
+            with deferred_sigint():  # a scheduled step is always queued (tandem/engine/interrupts.py)
+                so = self.scheduler.schedule()
+                if not so.is_empty:
+                    if self._arrivals:
+                        self._note_first_scheduled(so)
+                    if self.batch_queue:
+                        self.stats.num_launched_ahead += 1
+                    self.batch_queue.append((so, self.executor.execute_model(so)))
+                    self.stats.num_launched += 1
+                    launched = True
         if self.batch_queue and (not launched or len(self.batch_queue) >= self.depth):
             return self._complete_oldest()
         if not launched and self.scheduler.has_unfinished_requests():
@@ -136,13 +138,18 @@ class EngineCore:
                     self._queue_times.append(now - t)
 
     def _complete_oldest(self) -> list[EngineCoreOutput]:
-        so, fut = self.batch_queue.popleft()
+        so, fut = self.batch_queue[0]
         try:
             result = fut.result()
         except Exception as e:  # the step failed: fail its requests, keep the engine usable
-            return self._fail_inflight(so, e)
-        self.stats.num_completed += 1
-        return self.scheduler.update_from_output(so, result)
+            with deferred_sigint():
+                self.batch_queue.popleft()
+                return self._fail_inflight(so, e)
+        # (A KeyboardInterrupt while waiting leaves the step queued: a later call completes it.)
+        with deferred_sigint():
+            self.batch_queue.popleft()
+            self.stats.num_completed += 1
+            return self.scheduler.update_from_output(so, result)
 
     def _fail_inflight(self, so: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
         """Later in-flight steps consumed this step's (missing) tokens: fail them too."""
