@@ -8,32 +8,21 @@ The frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS`` for the scal
 (linear, llama3, yarn, longrope, ...), so our numbers follow HF's exactly, including the
 attention-scaling factor that yarn/longrope multiply into cos/sin. The rotation is the
 neox / HF-Llama "rotate_half" layout (first half of each head paired with the second half).
+
+Everything here is computed in explicit float32, whatever the model's dtype: the process's
+default dtype is never read or changed.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
-
-@contextlib.contextmanager
-def _float32_default() -> Iterator[None]:
-    """Build frequencies in fp32 even when the model is built under a bf16 default dtype.
-
-    HF's init functions create some tensors without an explicit dtype; under
-    ``torch.set_default_dtype(torch.bfloat16)`` those would silently lose precision.
-    """
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(prev)
+_CPU = torch.device("cpu")
 
 
 def get_rope_parameters(config: Any) -> dict[str, Any]:
@@ -67,6 +56,11 @@ class RotaryEmbedding(nn.Module):
     buffers, so checkpoints never carry them). They are cast to the activation dtype at use,
     exactly like HF, which computes cos/sin in fp32 and then casts to ``x.dtype``. When
     ``rotary_dim < head_dim`` (partial rotary) the remaining dims pass through unchanged.
+
+    The caches are built on the default device, like any module's tensors; a model built on
+    the meta device gets real ones from ``init_buffers`` once the loader has chosen the
+    device. The frequencies they derive from are kept in fp32 on the CPU as plain attributes
+    (not buffers), so casting the module to the model's dtype can never round them.
     """
 
     def __init__(
@@ -88,19 +82,29 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         self.max_position = max_position
         self.attention_scaling = float(attention_scaling)
-        with _float32_default():
-            t = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
-            inv = inv_freq.to(torch.float32)
-            freqs = t[:, None] * inv[None, :]
-            if long_inv_freq is not None and long_from_position is not None:
-                # longrope: positions past the pretraining length use the long factors.
-                long_freqs = t[:, None] * long_inv_freq.to(device=inv.device, dtype=torch.float32)[None, :]
-                freqs = torch.where(t[:, None] >= long_from_position, long_freqs, freqs)
-            cos = freqs.cos() * self.attention_scaling
-            sin = freqs.sin() * self.attention_scaling
+        self._inv_freq = inv_freq.detach().to(device=_CPU, dtype=torch.float32)
+        self._long_inv_freq = (None if long_inv_freq is None or long_from_position is None
+                               else long_inv_freq.detach().to(device=_CPU, dtype=torch.float32))
+        self._long_from_position = long_from_position
+        cos, sin = self._cos_sin(torch.get_default_device())
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
         self.fused = False  # one in-place Triton kernel for q and k (tandem.kernels.fused)
+
+    def _cos_sin(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos/sin of every position on ``device`` (free on the meta device)."""
+        t = torch.arange(self.max_position, dtype=torch.float32, device=device)
+        freqs = t[:, None] * self._inv_freq.to(device)[None, :]
+        if self._long_inv_freq is not None:
+            # longrope: positions past the pretraining length use the long factors.
+            long_freqs = t[:, None] * self._long_inv_freq.to(device)[None, :]
+            freqs = torch.where(t[:, None] >= self._long_from_position, long_freqs, freqs)
+        return freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+
+    def init_buffers(self, device: torch.device) -> None:
+        """(Re)compute the fp32 cos/sin caches on ``device``: the loader calls this after
+        giving a model built on the meta device its real storage."""
+        self.cos_cache, self.sin_cache = self._cos_sin(device)
 
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_position={self.max_position}, "
@@ -134,8 +138,11 @@ class RotaryEmbedding(nn.Module):
         return q, k
 
 
-def get_rope(config: Any, head_dim: int, device: Optional[torch.device] = None) -> RotaryEmbedding:
+def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
     """Build the rotary embedding described by an HF config.
+
+    The frequencies are computed on the CPU in fp32 (also when the model is being built on
+    the meta device: they are values the caches are derived from, not parameters).
 
     ``dynamic`` (NTK) scaling is rejected: its frequencies depend on the current sequence
     length, which a precomputed per-position cache (and a batch mixing sequences of
@@ -154,11 +161,13 @@ def get_rope(config: Any, head_dim: int, device: Optional[torch.device] = None) 
     rotary_dim = int(head_dim * float(params["partial_rotary_factor"]))
     long_inv_freq: Optional[torch.Tensor] = None
     long_from: Optional[int] = None
-    with _float32_default():
+    # transformers' init functions create some tensors without a device: pin them to the
+    # CPU, or a model built under ``torch.device("meta")`` would get frequencies without values.
+    with _CPU:
         if rope_type == "default":
             base = float(params["rope_theta"])
-            inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device)
-                                       .float() / rotary_dim))
+            inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=_CPU)
+                                       .to(torch.float32) / rotary_dim))
             scaling = 1.0
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -167,7 +176,7 @@ def get_rope(config: Any, head_dim: int, device: Optional[torch.device] = None) 
                 raise ValueError(f"unknown rope_type {rope_type!r}; supported: default, "
                                  + ", ".join(k for k in ROPE_INIT_FUNCTIONS if "dynamic" not in k))
             init_fn = ROPE_INIT_FUNCTIONS[rope_type]
-            inv_freq, scaling = init_fn(config, device)
+            inv_freq, scaling = init_fn(config, _CPU)
             if rope_type == "longrope":
                 # HF switches the whole sequence to the long factors once it grows past the
                 # pretraining length (re-rotating nothing already cached). A paged cache keeps
@@ -175,7 +184,7 @@ def get_rope(config: Any, head_dim: int, device: Optional[torch.device] = None) 
                 params = get_rope_parameters(config)  # the init fn may have standardized it
                 orig = int(params.get("original_max_position_embeddings")
                            or getattr(config, "original_max_position_embeddings", max_position))
-                long_inv_freq, _ = init_fn(config, device, seq_len=orig + 1)
+                long_inv_freq, _ = init_fn(config, _CPU, seq_len=orig + 1)
                 long_from = orig
     if inv_freq.numel() * 2 != rotary_dim:
         # Trust the init function (it knows partial_rotary_factor conventions of its model).

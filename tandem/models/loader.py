@@ -11,11 +11,11 @@ half-written cache entry behind.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import glob
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -204,30 +204,55 @@ def iterate_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, tensor
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(prev)
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give a model built on the meta device real storage: every floating-point parameter
+    becomes an uninitialized ``dtype`` tensor on ``device`` (the checkpoint overwrites all of
+    them; ``load_weights`` refuses to finish otherwise), then each module that derives
+    buffers from its configuration recomputes them there (``init_buffers(device)``: the fp32
+    rotary caches).
+
+    A parameter held by several modules (a tied LM head) stays one parameter, and the
+    attributes set on it (``weight_loader``) stay with it. ``Module.to_empty`` keeps neither:
+    it makes a new parameter for every module that holds one.
+    """
+    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(meta param) -> (it, its replacement)
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            entry = replaced.get(id(param))
+            if entry is None:
+                real_dtype = dtype if param.is_floating_point() else param.dtype
+                new = nn.Parameter(torch.empty(param.shape, dtype=real_dtype, device=device), requires_grad=False)
+                new.__dict__.update(param.__dict__)
+                # The meta parameter stays referenced here so that its id is not reused.
+                entry = replaced[id(param)] = (param, new)
+            setattr(module, name, entry[1])
+    for module in model.modules():
+        init_buffers = getattr(module, "init_buffers", None)
+        if init_buffers is not None:
+            init_buffers(device)
+    on_meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if on_meta:
+        raise RuntimeError(f"{type(model).__name__}: {', '.join(on_meta[:5])} still on the meta device after "
+                           "loading (a module that derives buffers needs an init_buffers(device) method)")
 
 
 def load_model(folder: str, dtype: torch.dtype, device: torch.device | str, hf_config: Any = None) -> nn.Module:
-    """Build the folder's architecture directly on ``device`` in ``dtype`` and load its weights.
+    """Build the folder's architecture in ``dtype`` on ``device`` and load its weights.
 
-    Parameters are allocated on the target device (no CPU copy of the whole model first);
-    checkpoint tensors are streamed from safetensors and copied in. Returns the model in
-    eval mode with gradients disabled.
+    The model is built on the meta device (shapes only, no memory) and then given its
+    storage on ``device`` directly in ``dtype``: no CPU copy of the whole model first, no
+    float32 copy of a bf16 model, and the process's default dtype and device are left as
+    they were. Checkpoint tensors are streamed from safetensors and copied in. Returns the
+    model in eval mode with gradients disabled.
     """
     config = hf_config if hf_config is not None else load_hf_config(folder)
     cls = get_model_class(config)
     dev = torch.device(device)
     t0 = time.monotonic()
+    with torch.device("meta"):
+        model = cls(config)
+    _materialize(model, dev, dtype)
     with torch.no_grad():
-        with _default_dtype(dtype), dev:
-            model = cls(config)
         model.load_weights(iterate_weights(folder))
     model.eval()
     model.requires_grad_(False)

@@ -398,6 +398,30 @@ def test_unexpected_weight_raises(tmp_path: Path) -> None:
         loader.load_model(str(folder), torch.float32, "cpu")
 
 
+@pytest.mark.timeout(60)
+def test_bf16_load_keeps_fp32_rotary_and_leaves_torch_defaults_alone(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 model is built without touching the process-wide torch defaults, its rotary
+    caches stay fp32 (equal to an fp32 build's), and a tied head stays tied."""
+    folder = _tiny_saved(tmp_path, tie_word_embeddings=True)
+    before = (torch.get_default_dtype(), torch.get_default_device())
+
+    def refuse(*args: Any, **kw: Any) -> None:
+        raise AssertionError("library code changed a process-wide torch default")
+
+    monkeypatch.setattr(torch, "set_default_dtype", refuse)
+    monkeypatch.setattr(torch, "set_default_device", refuse)
+    model = loader.load_model(str(folder), torch.bfloat16, "cpu")
+    assert (torch.get_default_dtype(), torch.get_default_device()) == before
+    rope = model.model.layers[0].self_attn.rotary_emb
+    assert rope.cos_cache.dtype == rope.sin_cache.dtype == torch.float32
+    assert not rope.cos_cache.is_meta and not rope.sin_cache.is_meta
+    ref = loader.load_model(str(folder), torch.float32, "cpu").model.layers[0].self_attn.rotary_emb
+    assert torch.equal(rope.cos_cache, ref.cos_cache) and torch.equal(rope.sin_cache, ref.sin_cache)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
 @pytest.mark.timeout(30)
 def test_dynamic_rope_rejected() -> None:
     from tandem.models.llama import LlamaForCausalLM
