@@ -10,7 +10,11 @@ Invariants:
 - A block with a hash is findable in ``cached`` until it is evicted (reallocated).
 - Only blocks whose every token is real (sampled and received, or prompt) are hashed; a
   position still holding an async placeholder never enters the cache.
-- ``free(request)`` runs exactly once per allocation lifetime (asserted).
+- ``free(request)`` releases the request's blocks and forgets its block table, so each
+  allocation is released once: freeing a request that holds no blocks (never admitted,
+  already preempted, or freed before) is a no-op, which the scheduler relies on when it
+  finishes a preempted request. A block released more often than it was taken trips
+  ``BlockPool.release``'s double-free assert.
 """
 from __future__ import annotations
 
@@ -218,6 +222,7 @@ class KVCacheManager:
         request.block_hashes.clear()
 
     def free(self, request: Request) -> None:
+        """Release the request's blocks and forget its table; a no-op when it holds none."""
         key = id(request)
         blocks = self.req_blocks.pop(key, None)
         self.req_num_hashed.pop(key, None)

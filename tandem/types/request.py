@@ -3,7 +3,8 @@
 Invariants (checked in tests):
 - ``num_output_placeholders >= 0``: tokens scheduled to be sampled but not yet seen by the CPU.
 - ``num_computed_tokens <= num_tokens + num_output_placeholders``.
-- A finished request never receives another token; its blocks are freed exactly once.
+- A finished request never receives another token; its blocks are released once, after its
+  last in-flight step (``Scheduler._finish``).
 """
 from __future__ import annotations
 
