@@ -41,6 +41,7 @@ import signal
 import sys
 import threading
 import typing
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import msgspec
@@ -122,43 +123,69 @@ def _declared_types(cls: type, name: str) -> dict[str, Any]:
     return types
 
 
+@dataclass(frozen=True)
+class _Method:
+    """The wire types of one method, worked out once: each call only looks them up."""
+
+    positional: tuple[Any, ...]  # parameters that may be passed by position, in order (no self)
+    by_name: dict[str, Any]  # parameters that may be passed by name
+    extra_positional: Any  # each *args item (None: the method takes none; the call will say so)
+    extra_keyword: Any  # each **kwargs value
+    result: Any
+
+    @classmethod
+    def of(cls, klass: type, name: str) -> "_Method":
+        types = _declared_types(klass, name)
+        params = list(inspect.signature(getattr(klass, name)).parameters.values())[1:]  # without self
+        kinds = inspect.Parameter
+        extra = {p.kind: types.get(p.name, Any) for p in params if p.kind in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)}
+        return cls(
+            positional=tuple(types.get(p.name, Any) for p in params
+                             if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)),
+            by_name={p.name: types.get(p.name, Any) for p in params
+                     if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)},
+            extra_positional=extra.get(kinds.VAR_POSITIONAL, Any),
+            extra_keyword=extra.get(kinds.VAR_KEYWORD, Any),
+            result=_wire_type(types.get("return", Any)),
+        )
+
+    def arg_type(self, i: int) -> Any:
+        return self.positional[i] if i < len(self.positional) else self.extra_positional
+
+    def kwarg_type(self, name: str) -> Any:
+        return self.by_name.get(name, self.extra_keyword)
+
+
 class MethodTable:
     """What a worker class exposes to its driver: its public methods (no leading
     underscore), each argument decoded into the type its parameter declares (``Any``
-    where none is declared: then only plain data can arrive)."""
+    where none is declared: then only plain data can arrive). A call with the wrong
+    arguments fails as the method itself would, with ``TypeError``."""
 
     def __init__(self, cls: type) -> None:
         self.cls = cls
-        self._cache: dict[str, tuple[inspect.Signature, dict[str, Any]]] = {}
+        self._methods: dict[str, _Method] = {}
 
     def allowed(self, name: str) -> bool:
         return not name.startswith("_") and inspect.isroutine(getattr(self.cls, name, None))
 
-    def _signature(self, name: str) -> tuple[inspect.Signature, dict[str, Any]]:
-        if name not in self._cache:
+    def _method(self, name: str) -> _Method:
+        if name not in self._methods:
             if not self.allowed(name):
                 raise AttributeError(f"{name!r} is not a method {self.cls.__qualname__} exposes to its driver")
-            self._cache[name] = (inspect.signature(getattr(self.cls, name)), _declared_types(self.cls, name))
-        return self._cache[name]
+            self._methods[name] = _Method.of(self.cls, name)
+        return self._methods[name]
 
     def result_type(self, name: str) -> Any:
-        return _wire_type(self._signature(name)[1].get("return", Any)) if self.allowed(name) else Any
+        """What a call's result decodes into (``Any`` for a method this class lacks)."""
+        return self._method(name).result if self.allowed(name) else Any
 
     def invoke(self, worker: Any, call: Call) -> Any:
         """Decode ``call``'s arguments into their declared types and run the method."""
-        sig, types = self._signature(call.method)
-        bound = sig.bind(None, *call.args, **call.kwargs)  # None stands for self
-        decoded: dict[str, Any] = {}
-        for name, raw in list(bound.arguments.items())[1:]:
-            kind, tp = sig.parameters[name].kind, types.get(name, Any)
-            if kind is inspect.Parameter.VAR_POSITIONAL:
-                decoded[name] = tuple(decode(r, tp) for r in raw)
-            elif kind is inspect.Parameter.VAR_KEYWORD:
-                decoded[name] = {k: decode(r, tp) for k, r in raw.items()}
-            else:
-                decoded[name] = decode(raw, tp)
-        bound.arguments.update(decoded)
-        return getattr(worker, call.method)(*bound.args[1:], **bound.kwargs)
+        m = self._method(call.method)
+        args = [decode(raw, m.arg_type(i)) for i, raw in enumerate(call.args)]
+        kwargs = {k: decode(raw, m.kwarg_type(k)) for k, raw in call.kwargs.items()}
+        return getattr(worker, call.method)(*args, **kwargs)
 
 
 # -- the reply thread ------------------------------------------------------------------------
