@@ -40,8 +40,8 @@ def reference_tokens(model: str, prompt: list[int], n: int) -> list[int]:
     return run_workload(e, [WorkItem("ref", prompt, greedy(n, ignore_eos=True))]).outputs["ref"].outputs[0].token_ids
 
 
-def count_scheduled(e: LLMEngine) -> dict[str, int]:
-    """Wrap the executor to count scheduled tokens per request."""
+def count_scheduled(e: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Wrap the engine's executor to count scheduled tokens per request."""
     counts: dict[str, int] = {}
     orig = e.core.executor.execute_model
 
@@ -50,21 +50,21 @@ def count_scheduled(e: LLMEngine) -> dict[str, int]:
             counts[r.req_id] = counts.get(r.req_id, 0) + r.num_scheduled_tokens
         return orig(so)
 
-    e.core.executor.execute_model = wrapped
+    monkeypatch.setattr(e.core.executor, "execute_model", wrapped)
     return counts
 
 
 # -- 4. one token too many --------------------------------------------------------------
-def test_case04_never_scheduled_past_max_tokens_or_max_model_len(tiny_llama):
+def test_case04_never_scheduled_past_max_tokens_or_max_model_len(tiny_llama, monkeypatch):
     e = engine(tiny_llama, True)
-    counts = count_scheduled(e)
+    counts = count_scheduled(e, monkeypatch)
     prompt = list(range(2, 12))
     res = run_workload(e, [WorkItem("m", prompt, greedy(7, ignore_eos=True))])
     assert len(res.outputs["m"].outputs[0].token_ids) == 7
     # prompt + 6 inputs for tokens 2..7: the 7th token is never fed back.
     assert counts["m"] == len(prompt) + 7 - 1
     e2 = engine(tiny_llama, True, max_model_len=16)
-    counts2 = count_scheduled(e2)
+    counts2 = count_scheduled(e2, monkeypatch)
     out = run_workload(e2, [WorkItem("l", prompt, greedy(100, ignore_eos=True))]).outputs["l"].outputs[0]
     assert len(prompt) + len(out.token_ids) == 16 and out.finish_reason == "length"
     assert counts2["l"] == 15
@@ -138,7 +138,7 @@ def test_case08_preemption_in_flight_no_repeat_no_loss(tiny_llama):
 
 
 # -- 9. prefix cache only over real tokens ---------------------------------------------------
-def test_case09_blocks_hashed_only_when_all_tokens_real(tiny_llama):
+def test_case09_blocks_hashed_only_when_all_tokens_real(tiny_llama, monkeypatch):
     e = engine(tiny_llama, True)
     kv = e.core.kv_cache
     orig = kv.cache_full_blocks
@@ -152,7 +152,7 @@ def test_case09_blocks_hashed_only_when_all_tokens_real(tiny_llama):
                 assert (j + 1) * kv.block_size <= request.num_tokens
                 checked.append(j)
 
-    kv.cache_full_blocks = guarded
+    monkeypatch.setattr(kv, "cache_full_blocks", guarded)
     items = [WorkItem("x", list(range(2, 9)), greedy(20, ignore_eos=True)),
              WorkItem("y", list(range(2, 9)), greedy(20, ignore_eos=True), arrive_step=12)]
     res = run_workload(e, items)
@@ -162,7 +162,7 @@ def test_case09_blocks_hashed_only_when_all_tokens_real(tiny_llama):
 
 
 # -- 10. chunked prefill -------------------------------------------------------------------------
-def test_case10_non_final_chunks_sample_nothing_and_seeded_same(tiny_llama):
+def test_case10_non_final_chunks_sample_nothing_and_seeded_same(tiny_llama, monkeypatch):
     e = engine(tiny_llama, True, max_num_batched_tokens=8)
     sampled_on_chunk = []
     orig = e.core.executor.execute_model
@@ -174,7 +174,7 @@ def test_case10_non_final_chunks_sample_nothing_and_seeded_same(tiny_llama):
                 sampled_on_chunk.append((final, r.samples))
         return orig(so)
 
-    e.core.executor.execute_model = spy
+    monkeypatch.setattr(e.core.executor, "execute_model", spy)
     sp = SamplingParams(temperature=1.0, seed=77, max_tokens=10, ignore_eos=True)
     prompt = list(range(2, 32))
     chunked = run_workload(e, [WorkItem("c", prompt, sp)]).outputs["c"].outputs[0].token_ids
@@ -214,7 +214,7 @@ def test_case12_each_decode_reads_its_own_previous_token(tiny_llama):
 # -- 13. errors surface ----------------------------------------------------------------------------
 @pytest.mark.parametrize("where", ["model", "sampler"])
 @pytest.mark.parametrize("a", [False, True])
-def test_case13_injected_error_reaches_caller_engine_stays_usable(tiny_llama, where, a):
+def test_case13_injected_error_reaches_caller_engine_stays_usable(tiny_llama, monkeypatch, where, a):
     llm = LLM(tiny_llama, async_scheduling=a, block_size=4, num_kv_blocks=128)
     runner = llm.engine.core.executor.worker.runner
     target = runner.model if where == "model" else runner.sampler
@@ -227,13 +227,13 @@ def test_case13_injected_error_reaches_caller_engine_stays_usable(tiny_llama, wh
             raise RuntimeError(f"injected {where} failure")
         return orig(*args, **kw)
 
-    target.forward = failing
     sp = greedy(8, ignore_eos=True)
-    with pytest.raises(RequestError) as info:
-        llm.generate([[5, 6, 7], [8, 9]], sp, use_tqdm=False)
+    with monkeypatch.context() as mp:
+        mp.setattr(target, "forward", failing)
+        with pytest.raises(RequestError) as info:
+            llm.generate([[5, 6, 7], [8, 9]], sp, use_tqdm=False)
     assert f"injected {where} failure" in str(info.value)
     assert all(o.outputs[0].finish_reason == "error" for o in info.value.outputs)
-    target.forward = orig
     again = llm.generate([[5, 6, 7]], sp, use_tqdm=False)
     assert again[0].outputs[0].token_ids == reference_tokens(tiny_llama, [5, 6, 7], 8)
     kv = llm.engine.core.kv_cache
@@ -253,7 +253,11 @@ def test_case14_request_id_reuse(tiny_llama):
 
 
 # -- 15. scheduler ahead of the worker -----------------------------------------------------------
-def test_case15_resumed_request_sends_confirmed_tokens(tiny_llama):
+def test_case15_resumed_request_sends_confirmed_tokens(tiny_llama, monkeypatch):
+    """A request resumed after preemption is re-sent to the worker with exactly the tokens
+    the worker confirmed: it resumes only once none of its earlier steps is in flight, so
+    it has no look-ahead placeholder left, and the step that resumes it is its only step
+    in flight (holding one new placeholder if, and only if, that step samples)."""
     e = engine(tiny_llama, True, num_kv_blocks=24, max_num_seqs=4)
     sched = e.core.scheduler
     resumed = []
@@ -263,12 +267,13 @@ def test_case15_resumed_request_sends_confirmed_tokens(tiny_llama):
         for r in so.requests:
             if r.new is not None and len(r.new.token_ids) > r.new.num_prompt_tokens:
                 req = sched.requests[r.req_id]
-                assert req.num_output_placeholders == 1 or r.samples is False or True
+                assert req.num_inflight_steps == 1, f"resumed with an earlier step still in flight: {req}"
+                assert req.num_output_placeholders == int(r.samples), f"stale placeholders on resume: {req}"
                 assert r.new.token_ids == req.prompt_token_ids + req.output_token_ids
                 resumed.append(r.req_id)
         return orig(so)
 
-    e.core.executor.execute_model = spy
+    monkeypatch.setattr(e.core.executor, "execute_model", spy)
     prompts = [[3 + i] * 12 for i in range(4)]
     items = [WorkItem(f"w{i}", p, greedy(24, ignore_eos=True)) for i, p in enumerate(prompts)]
     res = run_workload(e, items)
@@ -278,34 +283,34 @@ def test_case15_resumed_request_sends_confirmed_tokens(tiny_llama):
 
 
 # -- 16. silent duplication is caught by the exact comparison --------------------------------------
-def test_case16_exact_comparison_catches_misrouted_tokens(tiny_llama):
+def test_case16_exact_comparison_catches_misrouted_tokens(tiny_llama, monkeypatch):
     """Break the device token feed (write sampled ids one row off) and check the sync==async
-    comparison fails: the guard against silent duplication has teeth."""
+    comparison fails, while the same async run without the fault passes it: the guard
+    against silent duplication has teeth."""
     items = [WorkItem(f"d{i}", [10 + i] * 4, greedy(10, ignore_eos=True)) for i in range(3)]
     good = run_workload(engine(tiny_llama, False), items).outputs
+    assert_same(good, run_workload(engine(tiny_llama, True), items).outputs, items)
     bad_engine = engine(tiny_llama, True)
-    table = bad_engine.core.executor.worker.runner.batch.token_table
-    width = table.shape[1]
+    flat = bad_engine.core.executor.worker.runner.batch.token_table.view(-1)
     orig_index_copy = torch.Tensor.index_copy_
-    flat = table.view(-1)
+    misrouted = []
 
     def misroute(self, dim, index, source):
         if self.data_ptr() == flat.data_ptr() and index.numel() > 1:
             index = torch.roll(index, 1)  # each sampled id lands in another request's row
+            misrouted.append(index.numel())
         return orig_index_copy(self, dim, index, source)
 
-    torch.Tensor.index_copy_ = misroute
-    try:
+    with monkeypatch.context() as mp:
+        mp.setattr(torch.Tensor, "index_copy_", misroute)
         bad = run_workload(bad_engine, items).outputs
-    finally:
-        torch.Tensor.index_copy_ = orig_index_copy
+    assert misrouted, "the fault was never injected: the token table is no longer written with index_copy_"
     with pytest.raises(AssertionError):
         assert_same(good, bad, items)
-    assert width > 0
 
 
 # -- 18. no needless re-scheduling ---------------------------------------------------------------
-def test_case18_request_near_max_tokens_stays_running(tiny_llama):
+def test_case18_request_near_max_tokens_stays_running(tiny_llama, monkeypatch):
     e = engine(tiny_llama, True)
     news: dict[str, int] = {}
     orig = e.core.executor.execute_model
@@ -317,7 +322,7 @@ def test_case18_request_near_max_tokens_stays_running(tiny_llama):
         assert not so.preempted_req_ids
         return orig(so)
 
-    e.core.executor.execute_model = spy
+    monkeypatch.setattr(e.core.executor, "execute_model", spy)
     items = [WorkItem(f"n{i}", [5 + i] * 5, greedy(2 + i, ignore_eos=True)) for i in range(5)]
     res = run_workload(e, items)
     assert news == {f"n{i}": 1 for i in range(5)}, "a request was dropped and re-added"

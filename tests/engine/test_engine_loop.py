@@ -239,13 +239,17 @@ def test_sync_never_launches_ahead():
     assert core.stats.num_launched_ahead == 0
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_fake_model_outputs_same_in_both_modes(async_scheduling):
-    core = make_core(async_scheduling)
-    for i in range(5):
-        core.add_request(req(f"m{i}", n_prompt=2 + 3 * i, max_tokens=12))
-    got = run_to_end(core)
-    ref_core = make_core(False)
-    for i in range(5):
-        ref_core.add_request(req(f"m{i}", n_prompt=2 + 3 * i, max_tokens=12))
-    assert got == run_to_end(ref_core)
+@pytest.mark.parametrize("threaded", [False, True])
+def test_fake_model_outputs_same_async_and_sync(threaded):
+    """The async loop hands every request the tokens the sync loop does, with the executor
+    answering inline or from a thread."""
+    outs = {}
+    for async_scheduling in (False, True):
+        ex = FakeExecutor(threaded=threaded)
+        core = make_core(async_scheduling, ex)
+        for i in range(5):
+            core.add_request(req(f"m{i}", n_prompt=2 + 3 * i, max_tokens=12))
+        outs[async_scheduling] = run_to_end(core)
+        ex.shutdown()
+    assert outs[True] == outs[False]
+    assert len(outs[True]) == 5 and all(outs[True].values())
