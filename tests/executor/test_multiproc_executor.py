@@ -8,7 +8,8 @@
   that connects to them cannot inject a call or a reply, nor get a pickle unpickled;
 * exit: a driver killed with SIGKILL leaves no worker and no endpoint directory; an ``LLM``
   dropped at interpreter exit without ``shutdown()`` prints nothing; Ctrl-C (SIGINT to the
-  whole process group) ends driver and workers with no traceback.
+  whole process group) ends driver and workers with no traceback, in a script and in
+  ``tandem generate``.
 
 The contract shared with Ray (ordering, faults, timeouts) is in ``test_remote_executors.py``.
 """
@@ -304,3 +305,40 @@ def test_ctrl_c_stops_driver_and_workers_without_a_traceback(tp_model):
     assert err == "", f"Ctrl-C printed:\n{err}"
     assert wait_gone(info["pids"]) == [], "workers outlived the interrupted driver"
     assert not os.path.exists(info["dir"])
+
+
+def _children_of(pid: int) -> list[int]:
+    """Live processes whose parent is ``pid`` (a subprocess's own workers), from /proc."""
+    found = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            rest = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(rest[1]) == pid and rest[0] != "Z":
+            found.append(int(d))
+    return found
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_during_tandem_generate_leaves_no_process_and_no_traceback(tp_model):
+    """The same through the CLI, whose own handler reports the interrupt in one line."""
+    argv = [sys.executable, "-m", "tandem.entrypoints.cli", "generate", "--model", tp_model, "--executor", "multiproc",
+            "--tensor-parallel-size", "2", "--prompt", "t5 t6 t7", "--prompt", "t8 t9", "--max-tokens", "400",
+            "--ignore-eos", "--block-size", "4", "--num-kv-blocks", "512"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 100
+        while len(workers := _children_of(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert len(workers) == 2, "the CLI never started its workers"
+        time.sleep(2.0)  # starting up or generating: either way Ctrl-C must be quiet
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert len(err.splitlines()) == 1 and "interrupted" in err, f"Ctrl-C printed:\n{err}"
+    assert wait_gone(workers) == [], "workers outlived the interrupted CLI"
