@@ -92,6 +92,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.device = device
         self.dtype = dtype
         self.backend = attention_backend
@@ -120,6 +121,8 @@ class ModelRunner:
             torch.zeros(2, num_blocks, self.block_size, num_kv_heads, head_dim, dtype=self.dtype, device=self.device)
             for _ in range(num_layers)
         ]
+        if self.device.type == "cuda" and self.backend == "triton":
+            self.warmup_kernels()
         if self.use_graphs:
             self.capture_graphs()
 
@@ -259,6 +262,37 @@ class ModelRunner:
 
     def _bucket(self, num_seqs: int) -> int:
         return next((s for s in self.graph_sizes if s >= num_seqs), num_seqs)
+
+    def profile_sampler(self, logits: torch.Tensor) -> None:
+        """Run the sampler's costliest path once (for the memory profile that sizes the KV cache)."""
+        n, dev = logits.shape[0], logits.device
+        self.sampler(logits, SamplingMetadata(
+            temperature=torch.ones(n, device=dev), all_greedy=False, all_random=True,
+            top_k=torch.full((n,), 50, device=dev), top_p=torch.full((n,), 0.9, device=dev), min_p=None,
+            repetition_penalty=None, frequency_penalty=None, presence_penalty=None, prompt_token_ids=None,
+            output_token_ids=None, max_num_logprobs=None))
+
+    @torch.inference_mode()
+    def warmup_kernels(self) -> None:
+        """Compile the Triton kernel variants real steps use (one long prefill, a batch of
+        prefills, a mixed batch, a large decode batch) before the first request, so its
+        latency does not include just-in-time compilation. The batches live in the token
+        table's scratch row; their cache writes go to block 0, which no request owns yet."""
+        tokens = min(self.max_num_batched_tokens, self.max_model_len - 1)
+        scratch = self.batch.scratch_row
+        n = self.max_num_seqs
+        shapes = [[tokens], [max(1, tokens // 8)] * 8, [1] * (n - 1) + [max(1, tokens - n)], [1] * n]
+        for counts in shapes:
+            counts_np = np.asarray(counts, dtype=np.int32)
+            plan = StepPlan([None] * len(counts), np.full(len(counts), scratch, dtype=np.int32),  # type: ignore[list-item]
+                            np.zeros(len(counts), dtype=np.int32), counts_np, np.zeros(len(counts), dtype=bool))
+            self.staging.begin(0)
+            segs, qsl, seq_lens = self._stage_batch(plan, plan.num_seqs)
+            self.staging.upload()
+            hidden = self._forward(segs, int(counts_np.max()), int(seq_lens.max()), qsl, seq_lens)
+            self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _graph_body(self, segs: BatchSegments) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A whole decode step up to sampling: forward, logits, and the greedy choice, which

@@ -81,7 +81,8 @@ class Worker:
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.arange(n, dtype=torch.int64, device=self.device) % 64
         hidden = self.model(ids, pos)  # no forward context: plain causal pass, nothing cached
-        self.model.compute_logits(hidden[: self.config.max_num_seqs])
+        # The sampler's costliest path (float32 logits, top-k/top-p sort) at the largest batch.
+        self.runner.profile_sampler(self.model.compute_logits(hidden[: self.config.max_num_seqs]))
         torch.cuda.synchronize()
         activations = torch.cuda.max_memory_allocated() - before
         del hidden
