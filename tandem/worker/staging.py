@@ -1,7 +1,7 @@
 """One host-to-device copy per step: a pinned staging buffer packed with numpy.
 
 A step's host inputs (positions, slots, block-table updates, sampling parameters, ...) are
-written as numpy arrays into consecutive, 8-byte-aligned segments of one pinned buffer of
+written as numpy arrays into consecutive, 16-byte-aligned segments of one pinned buffer of
 32-bit words; ``upload()`` copies the used prefix to the device in one non-blocking copy,
 and each segment is then read on the device as a typed view (``int32``, ``int64`` or
 ``float32``) of the device buffer.
@@ -67,7 +67,10 @@ class StagingBuffer:
         dt = np.dtype(dtype)
         words = count * dt.itemsize // 4
         start = self.offset if at is None else at
-        start += start & 1  # 8-byte alignment for int64 views
+        # 16-byte alignment: int64 views need 8, and Triton specializes its kernels on
+        # whether each pointer argument is 16-byte aligned (a shifted segment would make
+        # it compile another variant just-in-time, in the middle of serving).
+        start += -start % 4
         end = start + words
         if end > self.capacity:
             raise OverflowError(f"staging buffer of {self.capacity} words is too small ({end} needed)")
@@ -85,7 +88,7 @@ class StagingBuffer:
         """Copy everything packed since ``begin(0)`` to the device (one non-blocking copy)."""
         if not self.cuda:
             return
-        n = self.offset + (self.offset & 1)
+        n = self.offset + (-self.offset % 4)
         host = self._hosts[self._cur]
         self.device_buf[:n].copy_(host[:n], non_blocking=True)
         ev = self._events[self._cur] or torch.cuda.Event()
