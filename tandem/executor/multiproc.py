@@ -39,7 +39,7 @@ import time
 import weakref
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import msgspec
 
@@ -121,6 +121,11 @@ class _WorkerHandle:
     def exitcode(self) -> Optional[int]:
         return None if self.proc is None else self.proc.poll()
 
+    @property
+    def os_pid(self) -> Optional[int]:
+        """The process's pid, known before the worker reports it (``pid``)."""
+        return None if self.proc is None else self.proc.pid
+
 
 class MultiprocExecutor(RemoteExecutor):
     SHUTDOWN_METHOD = SHUTDOWN_METHOD
@@ -180,7 +185,7 @@ class MultiprocExecutor(RemoteExecutor):
                 if w.channel.socket.poll(_POLL_MS):  # its last words (its error) may still be in flight
                     self._take_ready(w, waiting)
                 if w.rank in waiting:
-                    raise WorkerDiedError(f"worker rank {w.rank} (pid {w.proc.pid}) {describe_exit(w.exitcode)} "
+                    raise WorkerDiedError(f"worker rank {w.rank} (pid {w.os_pid}) {describe_exit(w.exitcode)} "
                                           "while starting (its own output, if any, is on stderr)")
             if waiting and time.monotonic() > deadline:
                 raise WorkerTimeoutError(f"worker rank(s) {sorted(waiting)} not ready after {timeout_s:.0f} s "
@@ -271,7 +276,7 @@ class MultiprocExecutor(RemoteExecutor):
             return
         w.next_reply += 1
         with self._lock:
-            fut = self._pending.get(reply.seq)
+            fut = cast(Optional[_RpcFuture], self._pending.get(reply.seq))
         if fut is None:  # already failed (timeout, death) and forgotten
             return
         if fut.method == SHUTDOWN_METHOD:

@@ -115,7 +115,8 @@ def _actor_class() -> Any:
     if _remote_cls is None:
         import ray
 
-        _remote_cls = ray.remote(max_concurrency=1, max_restarts=0, max_task_retries=0)(RayWorkerWrapper)
+        _remote_cls = ray.remote(max_concurrency=1, max_restarts=0,  # type: ignore[call-overload]
+                                 max_task_retries=0)(RayWorkerWrapper)
     return _remote_cls
 
 

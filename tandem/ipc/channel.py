@@ -60,12 +60,11 @@ class Channel:
         self._send_key = _direction_key(secret, remote)
         self.rejected = 0
         self._rx = ctx.socket(zmq.PULL)
-        self._tx = None
+        self._tx = ctx.socket(zmq.PUSH)
         try:
             self._rx.setsockopt(zmq.LINGER, 0)
             self._rx.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
             self._rx.bind(local)
-            self._tx = ctx.socket(zmq.PUSH)
             self._tx.setsockopt(zmq.LINGER, 0)
             self._tx.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_MS)
             self._tx.connect(remote)
@@ -131,5 +130,4 @@ class Channel:
         """Close both sockets. ``linger_s`` lets queued outgoing messages flush (a last
         reply); 0 drops them, so closing never blocks. Idempotent."""
         self._rx.close(linger=0)
-        if self._tx is not None:
-            self._tx.close(linger=int(linger_s * 1000))
+        self._tx.close(linger=int(linger_s * 1000))

@@ -48,9 +48,11 @@ def start_child(module: str, args: list[str], secret: bytes, *, env: Optional[di
     child_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     proc = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=stdout,
                             env=child_env, close_fds=True)
+    stdin = proc.stdin
+    assert stdin is not None  # stdin=PIPE
     try:
-        proc.stdin.write(secret)  # 32 bytes into an empty pipe: never blocks
-        proc.stdin.flush()
+        stdin.write(secret)  # 32 bytes into an empty pipe: never blocks
+        stdin.flush()
     except BrokenPipeError:  # the child died at once; the caller sees its exit status
         logger.debug("child %d closed its stdin before reading the secret", proc.pid)
     return proc

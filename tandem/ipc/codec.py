@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import struct
 import sys
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 
@@ -118,4 +118,4 @@ def decode(data: bytes | memoryview | msgspec.Raw, tp: type[T] | Any = Any) -> T
     """Decode ``data`` into ``tp`` (a class, a ``typing`` form such as ``Optional[X]``, or
     ``Any`` for plain data); raises ``DecodeError``/``msgspec.ValidationError`` when the
     bytes are not a ``tp``."""
-    return _decoder(tp).decode(data)
+    return _decoder(cast(Any, tp)).decode(data)

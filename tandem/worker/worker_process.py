@@ -244,7 +244,7 @@ def _serve(worker: Any, channel: Channel, sender: _ReplySender) -> None:
     table = MethodTable(type(worker))
     expected = 0
     while True:
-        call = channel.recv(Call)
+        call: Call = channel.recv(Call)
         if call.seq != expected:  # cannot happen over one authenticated pipe; refuse loudly if it does
             raise RuntimeError(f"worker got call #{call.seq}, expected #{expected}")
         expected += 1
