@@ -9,9 +9,12 @@ takes the core's per-step batches and feeds each request's ``RequestStream``.
 Outputs are cumulative, so a stream keeps only the newest state: while a request runs, the
 stream is merely told that it changed and builds its ``RequestOutput`` when read, so a slow
 reader skips intermediate states instead of queueing them, and nobody pays for outputs that
-are never read. If the core dies or stops answering
-for ``hang_timeout_s``, every live request ends with an error and new ones are refused with
-``EngineDeadError``.
+are never read.
+
+The core is dead when its process exits, when nothing at all (not even a heartbeat) comes
+for ``hang_timeout_s`` (it is frozen), or when one step runs longer than the engine's
+``rpc_timeout_s`` (it is hung: the limit the executor sets for a worker's answer). Then
+every live request ends with an error and new ones are refused with ``EngineDeadError``.
 """
 from __future__ import annotations
 
@@ -188,9 +191,15 @@ class AsyncLLM:
                     batch = await asyncio.wait_for(self.client.get_output(), self.hang_timeout_s)
                 except asyncio.TimeoutError:
                     raise EngineDeadError(f"the engine core sent nothing for {self.hang_timeout_s:.0f} s "
-                                          "(not even a heartbeat): it is hung") from None
+                                          "(not even a heartbeat): it is frozen") from None
                 if batch.fatal_error is not None:
                     raise EngineDeadError(f"the engine core failed: {batch.fatal_error}")
+                if batch.stats is None:  # a heartbeat
+                    if batch.busy_s > self.config.rpc_timeout_s:
+                        raise EngineDeadError(f"an engine step has run for {batch.busy_s:.0f} s, longer than "
+                                              f"rpc_timeout_s ({self.config.rpc_timeout_s:g} s): the engine core "
+                                              "is hung")
+                    continue
                 processed = self.output_processor.process_outputs(batch.outputs, final_only=True)
                 for rid in processed.updated:
                     stream = self._streams.get(rid)

@@ -1,15 +1,20 @@
 """The engine core's busy loop, shared by the in-thread and the separate-process core.
 
 One iteration: take every message that has arrived (without waiting while there is work;
-waiting up to a heartbeat interval when idle), apply its adds and aborts, run one
-``EngineCore.step()``, and send a ``CoreOutputBatch`` if the step produced outputs. The
-loop also sends one when it goes idle (so a freed request's blocks show in /metrics at
-once) and a heartbeat at least every ``heartbeat_s`` (so a front end can tell a busy core
-from a hung one). Transport is two callables, so a thread and a process share this code.
+waiting when idle), apply its adds and aborts, run one ``EngineCore.step()``, and send a
+``CoreOutputBatch`` if the step produced outputs. The loop also sends one when it goes
+idle, so a freed request's blocks show in /metrics at once.
+
+A heartbeat thread sends an empty batch every ``heartbeat_s`` with ``busy_s``, how long the
+current step has been running. So the front end tells apart a core that is frozen or gone
+(no message at all) from one inside a long step (heartbeats, ``busy_s`` growing), and can
+call a step hung once ``busy_s`` passes its limit, however long a legitimate step takes
+on a slow machine. Transport is two callables, so a thread and a process share this code.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import traceback
 from typing import Callable, Optional
@@ -32,13 +37,22 @@ class EngineCoreLoop:
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
         self.core = core
         self.recv = recv
-        self.send = send
+        self._send = send
+        self._send_lock = threading.Lock()  # the loop and the heartbeat thread both send
         self.heartbeat_s = heartbeat_s
         self.idle_seconds = 0.0
+        self._step_started: Optional[float] = None
+        self._stop_heartbeat = threading.Event()
         core.track_queue_times = True
+
+    def send(self, batch: CoreOutputBatch) -> None:
+        with self._send_lock:
+            self._send(batch)
 
     def run(self) -> None:
         """Loop until a shutdown message; a failure is sent as a fatal batch, then re-raised."""
+        beat = threading.Thread(target=self._heartbeat, name="tandem-core-heartbeat", daemon=True)
+        beat.start()
         try:
             self._run()
         except BaseException as e:
@@ -49,14 +63,21 @@ class EngineCoreLoop:
             except Exception:
                 logger.exception("could not report the engine core failure")
             raise
+        finally:
+            self._stop_heartbeat.set()
+            beat.join()
+
+    def _heartbeat(self) -> None:
+        while not self._stop_heartbeat.wait(self.heartbeat_s):
+            started = self._step_started
+            self.send(CoreOutputBatch([], None, busy_s=0.0 if started is None else time.monotonic() - started))
 
     def _run(self) -> None:
-        last_sent = time.monotonic()
         changed = False  # something happened since the last batch that the stats should show
         while True:
             busy = self.core.has_work()
             t0 = time.monotonic()
-            msg = self.recv(0.0 if busy else max(0.0, self.heartbeat_s - (t0 - last_sent)))
+            msg = self.recv(0.0 if busy else self.heartbeat_s)
             if not busy:
                 self.idle_seconds += time.monotonic() - t0
             outputs: list[EngineCoreOutput] = []
@@ -67,12 +88,13 @@ class EngineCoreLoop:
                 changed = True
                 msg = self.recv(0.0)
             if self.core.has_work():
+                self._step_started = time.monotonic()
                 outputs += self.core.step()
+                self._step_started = None
                 changed = True
-            now = time.monotonic()
-            if outputs or (changed and not self.core.has_work()) or now - last_sent >= self.heartbeat_s:
+            if outputs or (changed and not self.core.has_work()):
                 self.send(CoreOutputBatch(outputs, self.core.make_stats(self.idle_seconds)))
-                last_sent, changed = now, False
+                changed = False
 
     def _apply(self, msg: CoreInput) -> list[EngineCoreOutput]:
         """Aborts first, so a finished id may be aborted and reused in one message (the front

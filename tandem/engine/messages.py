@@ -3,8 +3,8 @@
 Both directions are batched: the front end sends one ``CoreInput`` with every request added
 or aborted since its last message; the core sends one ``CoreOutputBatch`` per step that
 produced outputs, carrying every request's ``EngineCoreOutput`` plus a ``CoreStats``
-snapshot for /metrics. Everything here is ids, numbers, lists and dataclasses, so it can be
-encoded for a typed channel unchanged.
+snapshot for /metrics, and a heartbeat batch every second. Everything here is ids, numbers,
+lists and dataclasses, so it can be encoded for a typed channel unchanged.
 """
 from __future__ import annotations
 
@@ -78,9 +78,10 @@ class CoreStats:
 
 @dataclass
 class CoreOutputBatch:
-    """Core -> front end: one step's outputs (possibly none: a heartbeat or an idle snapshot)."""
+    """Core -> front end: one step's outputs and a stats snapshot, or (``stats`` None) a heartbeat."""
 
     outputs: list[EngineCoreOutput]
-    stats: CoreStats
+    stats: Optional[CoreStats]
     # Set when the core loop itself failed and is exiting: every pending request is lost.
     fatal_error: Optional[str] = None
+    busy_s: float = 0.0  # heartbeats: how long the step now running has run (0: between steps)

@@ -147,20 +147,21 @@ def test_killed_core_fails_every_pending_request(tiny_llama):
 
 
 def test_hung_core_fails_pending_requests_and_is_killed(tiny_llama, monkeypatch):
+    """A step that runs past rpc_timeout_s is a hung core; a slow one that heartbeats is not."""
     here = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
 
     async def main():
-        config = EngineConfig(model=tiny_llama, worker_cls="hang_worker.HangWorker", **ENGINE)
-        engine = AsyncLLM(config, hang_timeout_s=3.0)
+        config = EngineConfig(model=tiny_llama, worker_cls="hang_worker.HangWorker", rpc_timeout_s=6.0, **ENGINE)
+        engine = AsyncLLM(config, hang_timeout_s=2.0)  # no message for 2 s: frozen
         pid = engine.client.pid
         try:
-            ok = engine.add_request("ok", [5, 6], SamplingParams(max_tokens=2))
-            assert (await last(ok)).error is None
+            slow = engine.add_request("slow", [5, 98], SamplingParams(max_tokens=2))  # a 4 s step
+            assert (await last(slow)).error is None
             stuck = engine.add_request("stuck", [5, 99], SamplingParams(max_tokens=2))
             t0 = time.monotonic()
-            final = await asyncio.wait_for(last(stuck), 15)
-            assert "hung" in final.error and 2.5 < time.monotonic() - t0 < 10
+            final = await asyncio.wait_for(last(stuck), 30)
+            assert "hung" in final.error and 6 < time.monotonic() - t0 < 20, final.error
             assert not engine.is_running
         finally:
             await engine.shutdown()

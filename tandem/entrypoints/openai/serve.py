@@ -43,7 +43,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout-s", type=float, default=10.0,
                    help="on SIGINT/SIGTERM, how long in-flight requests may run before they are aborted")
     g.add_argument("--engine-hang-timeout-s", type=float, default=DEFAULT_HANG_TIMEOUT_S,
-                   help="declare the engine core hung (and fail its requests) after this long without a message")
+                   help="declare the engine core frozen (and fail its requests) after this long without any "
+                        "message; it sends a heartbeat every second, and a step that runs longer than "
+                        "--rpc-timeout-s counts as hung")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineConfig.add_cli_args(parser.add_argument_group("engine (as EngineConfig)"))
