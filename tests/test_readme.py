@@ -60,7 +60,8 @@ RUN = {
 SKIP = [
     (lambda u: _cmd(u, "pip", "install"),
      "installs packages: the CI run executes the install (.ci/run, see test_ci_runs_the_readme_test_command)"),
-    (lambda u: _cmd(u, "lint-imports") or _cmd(u, "ruff", "check") or _cmd(u, "python3", "-m", "pytest"),
+    (lambda u: _cmd(u, "lint-imports") or _cmd(u, "ruff", "check") or _cmd(u, "mypy")
+     or _cmd(u, "python3", "-m", "pytest"),
      "the README's test command: .ci/run runs it (test_ci_runs_the_readme_test_command); pytest would recurse"),
     (lambda u: _cmd(u, "ray", "start"),
      "starts a Ray cluster across several machines"),

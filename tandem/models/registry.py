@@ -5,8 +5,9 @@ The engine picks the implementation from ``config.architectures[0]`` exactly as 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator, Protocol
 
+import torch
 from torch import nn
 
 from tandem.models.llama import LlamaForCausalLM
@@ -19,6 +20,19 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
+
+
+class CausalLM(Protocol):
+    """What the engine calls on a model: hidden states of a flattened token batch (with the
+    attention metadata in the forward context) and logits for the rows it samples from."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+
+    def modules(self) -> Iterator[nn.Module]: ...
 
 
 def supported_architectures() -> list[str]:

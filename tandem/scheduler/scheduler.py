@@ -301,10 +301,10 @@ class Scheduler:
             req = step_reqs[rid]
             if req.is_finished and rid not in outputs:
                 continue
-            out = outputs.get(rid)
-            if out is None:
-                out = outputs[rid] = EngineCoreOutput(rid, [], num_cached_tokens=req.num_cached_tokens)
-            out.prompt_logprobs = plps
+            plp_out = outputs.get(rid)
+            if plp_out is None:
+                plp_out = outputs[rid] = EngineCoreOutput(rid, [], num_cached_tokens=req.num_cached_tokens)
+            plp_out.prompt_logprobs = plps
 
         self._release_pending()
         return list(outputs.values())

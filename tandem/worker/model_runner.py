@@ -27,6 +27,7 @@ import torch
 from tandem.distributed import get_tp_rank, tp_broadcast
 from tandem.layers.attention import AttentionMetadata, set_forward_context
 from tandem.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
+from tandem.models.registry import CausalLM
 from tandem.types.scheduler_output import SchedulerOutput
 from tandem.worker.async_output import AsyncModelOutput, HostBufferRing
 from tandem.worker.input_batch import CachedRequestState, InputBatch
@@ -76,7 +77,7 @@ class BatchSegments:
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         vocab_size: int,
         block_size: int,
         max_model_len: int,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 
@@ -17,6 +17,7 @@ from tandem.config import EngineConfig, ModelConfig
 from tandem.distributed import init_tensor_parallel
 from tandem.layers import use_fused_kernels
 from tandem.layers.attention import resolve_backend
+from tandem.models.registry import CausalLM
 from tandem.types.scheduler_output import SchedulerOutput
 from tandem.worker.async_output import AsyncModelOutput
 from tandem.worker.model_runner import ModelRunner
@@ -52,14 +53,15 @@ class Worker:
         init_tensor_parallel(rank, world_size, distributed_init_method, device, backend=model_config.env.dist_backend)
         # The engine's seed, for unseeded sampling (the default generator of this device).
         torch.random.manual_seed(config.seed)
-        self.model = load_model(model_config.folder, self.dtype, self.device, hf_config=model_config.hf_config)
+        module = load_model(model_config.folder, self.dtype, self.device, hf_config=model_config.hf_config)
+        self.model = cast(CausalLM, module)
         backend = resolve_backend(config.attention_backend, self.device)
         graphs = not config.enforce_eager and device.type == "cuda" and backend == "triton" and world_size == 1
         if not config.enforce_eager and device.type == "cuda" and not graphs:
             logger.info("CUDA graphs off (attention backend %s, tensor_parallel_size %d): decode runs eagerly",
                         backend, world_size)
         if backend == "triton":
-            use_fused_kernels(self.model)
+            use_fused_kernels(module)
         self.runner = ModelRunner(self.model, model_config.vocab_size, config.block_size, model_config.max_model_len,
                                   config.max_num_seqs, config.max_num_batched_tokens, self.device, self.dtype,
                                   attention_backend=backend, cuda_graphs=graphs)
