@@ -38,7 +38,12 @@ def start_child(module: str, args: list[str], secret: bytes, *, env: Optional[di
                 stdout: Optional[int] = None) -> subprocess.Popen:
     """Start ``python -m module *args`` with ``secret`` on its stdin (kept open, see the
     module docstring). ``stdout`` is passed to ``Popen`` (a file descriptor, say 2 to keep
-    the parent's stdout clean); stderr is inherited, so the child's crashes stay visible."""
+    the parent's stdout clean); stderr is inherited, so the child's crashes stay visible.
+
+    The child gets a session of its own: a Ctrl-C in the terminal signals the terminal's
+    foreground process group, and a child still importing torch would die of it with a
+    traceback before it could ignore SIGINT. The parent owns its children's lifetime (it
+    stops them; they exit when it dies, by stdin EOF), so only the parent hears the Ctrl-C."""
     if not sys.executable:
         raise RuntimeError("sys.executable is unknown: cannot start a child Python process")
     if len(secret) != SECRET_BYTES:
@@ -47,7 +52,7 @@ def start_child(module: str, args: list[str], secret: bytes, *, env: Optional[di
     paths = [_package_root()] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p]
     child_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     proc = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=stdout,
-                            env=child_env, close_fds=True)
+                            env=child_env, close_fds=True, start_new_session=True)
     stdin = proc.stdin
     assert stdin is not None  # stdin=PIPE
     try:

@@ -207,7 +207,7 @@ def test_text_needs_a_tokenizer(tmp_path: Path):
 
 
 def test_local_tokenizer(tmp_path: Path):
-    from conftest import make_word_tokenizer
+    from tiny_models import make_word_tokenizer
 
     make_word_tokenizer(64).save_pretrained(tmp_path)
     tok = LocalTokenizer(str(tmp_path))

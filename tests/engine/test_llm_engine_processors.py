@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import make_word_tokenizer
+from tiny_models import make_word_tokenizer
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.input_processor import InputProcessor
 from tandem.engine.output_processor import OutputProcessor

@@ -22,7 +22,7 @@ VOCAB = 2048
 
 
 def _build(path: Path, sharpen: float, **over) -> str:
-    from conftest import make_word_tokenizer
+    from tiny_models import make_word_tokenizer
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     kw = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
