@@ -72,7 +72,8 @@ class InputProcessor:
         for i in range(params.n):
             seed = params.seed
             if seed is not None and params.n > 1:
-                seed = seed * _CHILD_SEED_STRIDE + i
+                # Wrapped into the signed 64-bit range the sampler's seeds live in.
+                seed = (seed * _CHILD_SEED_STRIDE + i + 2**63) % 2**64 - 2**63
             core_reqs.append(EngineCoreRequest(child_request_id(request_id, params.n, i), token_ids, params,
                                                self.eos_token_ids, max_tokens, seed))
         return ProcessedRequest(request_id, text, token_ids, params, core_reqs)
