@@ -3,10 +3,11 @@
 Both sides get the same token-id prompts, the same output length (greedy, ignore EOS) and
 the same engine flags, with ``--max-num-seqs`` equal to the concurrency, so both run the
 same batches. The offline ``LLM`` lives in this process; the server is a real ``tandem
-serve`` process (HTTP, SSE, the engine core in its own process) driven by an asyncio client
-here that keeps ``--concurrency`` streams open. Both stay loaded and the rounds alternate
-(O S, S O, ...), so drift in the load of a shared machine hits both alike; the ratio is
-median server tokens/s / median offline tokens/s; the goal is >= 0.9.
+serve`` process (HTTP, SSE, the engine core in its own process) driven by ``tandem bench
+serve`` (``tandem.bench.serve.run_benchmark``) keeping ``--concurrency`` streams open.
+Both stay loaded and the rounds alternate (O S, S O, ...), so drift in the load of a
+shared machine hits both alike; the ratio is median server tokens/s / median offline
+tokens/s; the goal is >= 0.9.
 
     python benchmarks/serve_overhead.py                       # embedded SmolLM2, 64 prompts
     python benchmarks/serve_overhead.py --model /path/to/hf --num-prompts 128 --output-len 128
@@ -20,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from serve_common import machine, random_prompts, start_server, stop_server, stream_completion
+from serve_common import machine, random_prompts, start_server, stop_server
 
 
 def offline(llm, args: argparse.Namespace, prompts: list[list[int]]) -> float:
@@ -34,20 +35,17 @@ def offline(llm, args: argparse.Namespace, prompts: list[list[int]]) -> float:
 
 
 async def online(url: str, args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, int]:
-    import httpx
+    """The server's output tokens/s under ``tandem bench serve`` (its programmatic API), with
+    exactly these prompts, ``--concurrency`` streams at a time."""
+    from tandem.bench.datasets import SampleRequest
+    from tandem.bench.serve import BenchmarkConfig, run_benchmark
 
-    body = {"max_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
-    sem = asyncio.Semaphore(args.concurrency)
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=args.concurrency + 4)) as client:
-        async def one(p: list[int]):
-            async with sem:
-                return await stream_completion(client, url, {**body, "prompt": p})
-
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(p) for p in prompts))
-        dt = time.perf_counter() - t0
-    errors = sum(r.error is not None for r in results)
-    return sum(r.completion_tokens for r in results) / dt, errors
+    config = BenchmarkConfig(base_url=url, num_prompts=len(prompts), max_concurrency=args.concurrency,
+                             random_output_len=args.output_len, warmup=False, disable_tqdm=True,
+                             ignore_eos=True, temperature=0.0)
+    samples = [SampleRequest(p, len(p), args.output_len) for p in prompts]
+    result = await run_benchmark(config, samples)
+    return result.metrics.output_token_throughput, result.metrics.failed
 
 
 def main() -> int:
