@@ -66,6 +66,9 @@ class SamplingParams(StrictModel):
     include_stop_str_in_output: bool = Field(False, description="keep the matched stop string in the output text")
     skip_special_tokens: bool = Field(True, description="leave special tokens out of the output text")
     detokenize: bool = Field(True, description="decode the output into text (off: token ids only)")
+    logit_bias: Optional[dict[int, float]] = Field(
+        None, description="token id -> value in [-100, 100] added to that token's logit before sampling "
+                          "(-100 bans a token, 100 all but forces it)")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -95,6 +98,33 @@ class SamplingParams(StrictModel):
         if v is None:
             return []
         return list(v) if isinstance(v, tuple) else v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_keys_as_ints(cls, v: Any) -> Any:
+        """OpenAI's JSON spells token ids as string keys ({"50256": -100}): take decimal ones."""
+        if not isinstance(v, dict):
+            return v
+        out: dict[Any, Any] = {}
+        for k, val in v.items():
+            if isinstance(k, str):
+                if not k.strip().isdigit():
+                    raise ValueError(f"logit_bias keys must be token ids, got {show(k)}")
+                k = int(k)
+            out[k] = val
+        return out
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: Optional[dict[int, float]]) -> Optional[dict[int, float]]:
+        if v is None:
+            return v
+        for k, val in v.items():
+            if k < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {k}")
+            if not -100.0 <= val <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {show(val)} for token {k}")
+        return v or None
 
     @field_validator("top_k", mode="before")
     @classmethod

@@ -13,6 +13,7 @@ names the field and the value (``"block_size must be ..., got 12"``); it is show
 from __future__ import annotations
 
 import argparse
+import json
 import difflib
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, Optional, Union, get_args, get_origin
@@ -179,6 +180,9 @@ class StrictModel(BaseModel):
                 kw["action"] = "append"
                 kw["help"] += " (repeatable)"
                 conv = _base_type(get_args(annotation)[0])
+            elif get_origin(annotation) is dict:
+                kw["help"] += " (a JSON object, e.g. '{\"42\": -100}')"
+                conv = _json_object
             else:
                 conv = annotation
             kw["type"] = _none_or(conv) if optional else conv
@@ -207,6 +211,17 @@ def _base_type(annotation: Any) -> Any:
     """``Annotated[int, Field(ge=0)]`` -> ``int``."""
     args = get_args(annotation)
     return args[0] if args and hasattr(annotation, "__metadata__") else annotation
+
+
+def _json_object(text: str) -> Any:
+    """A dict field's flag takes a JSON object; the model's own validation checks its contents."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
 
 
 def _none_or(conv: Callable[[str], Any]) -> Callable[[str], Any]:

@@ -89,6 +89,8 @@ class InputProcessor:
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
                 "it must leave room for at least one generated token"
             )
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
             if v is not None and v > self.config.max_logprobs:

@@ -39,9 +39,13 @@ class _StepFuture(Future):
         with self._lock:
             if not self.done():
                 try:
-                    self.set_result(self._launched.get())
-                except BaseException as e:  # the worker's own error, re-raised below
+                    out = self._launched.get()
+                except Exception as e:  # the worker's own error, re-raised below
                     self.set_exception(e)
+                else:
+                    self.set_result(out)
+                # A KeyboardInterrupt while waiting is not the step's error: it propagates
+                # with the future unresolved, and a later ``result()`` completes the step.
         return super().result()
 
 

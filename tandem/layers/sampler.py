@@ -50,6 +50,9 @@ class SamplingMetadata:
     # min_tokens: (row, token id) pairs to forbid, for rows that have not reached min_tokens.
     min_tokens_rows: torch.Tensor | None = None  # [M] int64
     min_tokens_cols: torch.Tensor | None = None  # [M] int64
+    # logit_bias: flat indices (row * vocab + token) and the values added there.
+    logit_bias_index: torch.Tensor | None = None  # [L] int64
+    logit_bias_values: torch.Tensor | None = None  # [L] float32
 
 
 @dataclass
@@ -72,13 +75,14 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if (metadata.all_greedy and metadata.max_num_logprobs is None and metadata.min_tokens_rows is None
-                and metadata.repetition_penalty is None):
+                and metadata.repetition_penalty is None and metadata.logit_bias_index is None):
             # Plain greedy: argmax in the model dtype picks the same token as in fp32 (the
             # conversion is exact and monotonic) without writing a float32 copy of the logits.
             return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
         # float32 for numerically stable softmax / cumsum regardless of model dtype.
         # Everything below is out-of-place, so the caller's logits are never modified
         # (``.to`` returns the same tensor when it is already float32).
+        caller_logits = logits
         logits = logits.to(torch.float32)
 
         # vLLM returns logprobs of the raw model distribution, not the processed one.
@@ -88,6 +92,10 @@ class Sampler(torch.nn.Module):
 
         if metadata.min_tokens_rows is not None:
             logits = apply_min_tokens_mask(logits, metadata.min_tokens_rows, metadata.min_tokens_cols)
+        if metadata.logit_bias_index is not None:
+            assert metadata.logit_bias_values is not None
+            logits = logits.clone() if logits is caller_logits else logits
+            logits.view(-1).index_add_(0, metadata.logit_bias_index, metadata.logit_bias_values)
 
         if metadata.repetition_penalty is not None:
             logits = apply_penalties(

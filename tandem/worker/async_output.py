@@ -103,9 +103,6 @@ class AsyncModelOutput:
             self._event.synchronize()
             self._src = []
         out = ModelRunnerOutput(self.step_id, self.req_ids, self._sampled.tolist())
-        if self._ring is not None:
-            self._ring.release(self._slot)
-            self._ring = None
         host = self._host
         k = 0
         if self._has_logprobs:
@@ -114,7 +111,12 @@ class AsyncModelOutput:
         for rid in self._prompt_keys:
             out.prompt_logprobs[rid] = _to_lists(host[k], host[k + 1], host[k + 2])
             k += 3
+        # Released only once everything is read: a get() interrupted by Ctrl-C runs again
+        # later and must find its pinned buffer untouched by a newer step.
         self._result = out
+        if self._ring is not None:
+            self._ring.release(self._slot)
+            self._ring = None
         return out
 
 

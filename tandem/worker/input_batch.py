@@ -68,6 +68,8 @@ class InputBatch:
         self.seeded = np.zeros(max_rows, dtype=bool)
         self.min_tokens = np.zeros(max_rows, dtype=np.int32)
         self.num_logprobs = np.full(max_rows, -1, dtype=np.int32)  # -1: none wanted
+        # Rows with a logit bias: (token ids, values), kept as arrays to stage without a loop.
+        self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
         # Work for the next step's single upload: (row, first position, token ids) of new
         # requests' known tokens, and (row, first column, block ids) of new blocks.
@@ -99,6 +101,9 @@ class InputBatch:
         self.seed[row] = data.sample_seed or 0
         self.min_tokens[row] = sp.min_tokens
         self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+        if sp.logit_bias:
+            self.logit_bias[row] = (np.fromiter(sp.logit_bias.keys(), dtype=np.int64),
+                                    np.fromiter(sp.logit_bias.values(), dtype=np.float32))
         self.pending_tokens.append((row, list(data.token_ids)))
         self.append_blocks(state, block_ids)
         return state
@@ -115,4 +120,5 @@ class InputBatch:
     def remove(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
         if state is not None:
+            self.logit_bias.pop(state.row, None)
             self.free_rows.append(state.row)

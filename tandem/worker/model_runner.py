@@ -428,6 +428,12 @@ class ModelRunner:
         n_out_all = seq_lens[sample_idx] - b.num_prompt_tokens[rows]
         if (n_out_all < b.min_tokens[rows]).any():
             seg["min_tokens_rows"], seg["min_tokens_cols"] = self._stage_min_tokens(plan, sample_idx, n_out_all)
+        if b.logit_bias:
+            biased = [(k, b.logit_bias[int(r)]) for k, r in enumerate(rows.tolist()) if int(r) in b.logit_bias]
+            if biased:
+                vocab = self.vocab_size
+                seg["logit_bias_index"] = sb.put(np.concatenate([k * vocab + ids for k, (ids, _) in biased]))
+                seg["logit_bias_values"] = sb.put(np.concatenate([vals for _, (_, vals) in biased]))
         use_pen = b.uses_penalties[rows].any()
         if use_pen:
             seg["repetition_penalty"] = sb.put(b.repetition_penalty[rows])
@@ -440,7 +446,8 @@ class ModelRunner:
             max_o = int(max(n_out_all.max(), 1))
         lp = b.num_logprobs[rows]
         max_lp = int(lp.max()) if (lp >= 0).any() else None
-        plain_greedy = all_greedy and max_lp is None and not use_pen and "min_tokens_rows" not in seg
+        plain_greedy = (all_greedy and max_lp is None and not use_pen and "min_tokens_rows" not in seg
+                        and "logit_bias_index" not in seg)
 
         def build() -> SamplingMetadata:
             v = {k: sb.view(s) for k, s in seg.items()}
@@ -454,6 +461,7 @@ class ModelRunner:
                 max_num_logprobs=max_lp,
                 seeded_rows=v.get("seeded_rows"), seeds=v.get("seeds"), output_index=v.get("output_index"),
                 min_tokens_rows=v.get("min_tokens_rows"), min_tokens_cols=v.get("min_tokens_cols"),
+                logit_bias_index=v.get("logit_bias_index"), logit_bias_values=v.get("logit_bias_values"),
             )
             if use_pen:
                 md.repetition_penalty = v["repetition_penalty"]

@@ -91,3 +91,14 @@ def test_request_larger_than_cache(tiny_llama):
     with pytest.raises(ValueError, match="KV blocks"):
         m.generate([list(range(2, 30))], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
     m.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_logit_bias_steers_generation_and_is_checked_against_the_vocabulary(llm):
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                   logit_bias={42: 100.0}), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == [42] * 6
+    with pytest.raises(ValueError, match="logit_bias token ids must be in"):
+        llm.generate([[5]], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    # The same LLM still serves plain requests afterwards.
+    assert len(llm.generate([[5]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2

@@ -121,6 +121,11 @@ CASES = [
     cli_case("negative --stop-token-ids", "stop_token_ids[0] must be an integer >= 0", *TINY,
              "--stop-token-ids", "-1"),
     cli_case("--n 0", "n must be an integer >= 1", *TINY, "--n", "0"),
+    cli_case("--logit-bias that is not a JSON object", "not a JSON object", *TINY, "--logit-bias", "[5]"),
+    cli_case("--logit-bias value above 100", "logit_bias values must be in [-100, 100]", *TINY,
+             "--logit-bias", '{{"5": 500}}'),
+    cli_case("--logit-bias token beyond the vocabulary", "logit_bias token ids must be in [0, 128)", *TINY,
+             "--prompt", "t5", "--logit-bias", '{{"999": 1}}'),
     # -- --input and --output --------------------------------------------------------------------
     cli_case("--input that does not exist", "does not exist", *TINY, "--input", "{tmp}/nope.jsonl"),
     cli_case("--input that is a folder", "is a folder", *TINY, "--input", "{tmp}"),
@@ -293,7 +298,7 @@ def _run_process(argv: list[str], sigint: bool) -> tuple[int, str]:
     while b"Processed prompts" not in seen:  # the progress bar: generation has started
         assert time.monotonic() < deadline and p.poll() is None, seen
         seen += os.read(p.stderr.fileno(), 4096)
-    time.sleep(0.5)
+    time.sleep(0.1)  # mid-generation: a fast machine finishes the whole job in about 0.5 s
     p.send_signal(signal.SIGINT)
     _, rest = p.communicate(timeout=120)
     return p.returncode, (seen + rest).decode(errors="replace")

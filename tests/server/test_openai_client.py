@@ -214,3 +214,13 @@ def test_64_concurrent_streams_are_correct(server, model, offline):
             return await asyncio.wait_for(asyncio.gather(*(one(c, p) for p in prompts)), 300)
 
     assert asyncio.run(run()) == want
+
+
+def test_logit_bias_is_applied(client, model):
+    """OpenAI's string token ids; +100 makes t42 the only choice, in completions and chat."""
+    out = client.completions.create(model=model, prompt="t5 t6", max_tokens=5, temperature=0,
+                                    logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert out.choices[0].text.split() == ["t42"] * 5
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "t5"}], max_tokens=3,
+                                          temperature=0.9, logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content.split() == ["t42"] * 3

@@ -515,3 +515,34 @@ def test_gather_logprobs_ties_rank() -> None:
     assert int(lp.ranks[0]) == 1  # ties do not count as "strictly greater"
     lp = gather_logprobs(logprobs, torch.tensor([3]), 2)
     assert int(lp.ranks[0]) == 4
+
+
+# ---------------------------------------------------------------------- logit bias
+
+
+@pytest.mark.timeout(60)
+def test_logit_bias_forces_and_bans_tokens() -> None:
+    """+100 all but forces a token, -100 bans one, greedy or sampled; other rows untouched,
+    and the caller's logits are not modified."""
+    vocab, batch = 8, 3
+    logits = LOGITS8.repeat(batch, 1).clone()
+    before = logits.clone()
+
+    def md(temperature: float, n: int = batch) -> SamplingMetadata:
+        m = make_metadata(n, temperature)
+        rows = torch.tensor([0, 1, 1])
+        cols = torch.tensor([3, 4, 6])  # row 0: favour token 3; row 1: ban the argmax 4, favour 6
+        m.logit_bias_index = rows * vocab + cols
+        m.logit_bias_values = torch.tensor([100.0, -100.0, 5.0])
+        return m
+
+    greedy = Sampler()(logits, md(0.0)).sampled_token_ids.tolist()
+    assert greedy == [3, 6, 4]  # row 2 has no bias: the plain argmax
+    assert torch.equal(logits, before)
+    big = logits.repeat(700, 1)
+    m = md(1.0, big.shape[0])
+    m.logit_bias_index = torch.cat([m.logit_bias_index + r * batch * vocab for r in range(700)])
+    m.logit_bias_values = m.logit_bias_values.repeat(700)
+    drawn = Sampler()(big, m).sampled_token_ids.view(700, batch)
+    assert (drawn[:, 0] == 3).all()
+    assert not (drawn[:, 1] == 4).any()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 import pickle
 
 import pytest
@@ -17,6 +18,7 @@ DEFAULTS = dict(
     n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, frequency_penalty=0.0,
     presence_penalty=0.0, seed=None, max_tokens=16, min_tokens=0, stop=[], stop_token_ids=[], ignore_eos=False,
     logprobs=None, prompt_logprobs=None, include_stop_str_in_output=False, skip_special_tokens=True, detokenize=True,
+    logit_bias=None,
 )
 FLOAT_FIELDS = ["temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"]
 
@@ -165,3 +167,15 @@ def test_any_valid_params_round_trip(n, temperature, top_p, top_k, min_p, penalt
     again = SamplingParams.model_validate(sp.model_dump())
     assert again == sp and pickle.loads(pickle.dumps(sp)) == sp
     assert again.top_k == (0 if top_k == -1 else top_k)
+
+
+@pytest.mark.timeout(30)
+def test_logit_bias_takes_openai_string_keys_and_checks_ranges():
+    assert SamplingParams(logit_bias={"5": -100, 7: 2.5}).logit_bias == {5: -100.0, 7: 2.5}
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for bad, words in [({"abc": 1}, "token ids"), ({5: 101}, "[-100, 100]"), ({-1: 1}, "non-negative"),
+                       ({5: float("nan")}, "logit_bias"), ([1, 2], "logit_bias")]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            SamplingParams(logit_bias=bad)
+    sp = SamplingParams(logit_bias={"5": 1})
+    assert SamplingParams.model_validate(sp.model_dump()) == sp

@@ -18,9 +18,9 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 # Fields OpenAI (or vLLM) accepts that this server refuses, with the value that is harmless.
 _UNSUPPORTED_COMMON = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-                       "response_format", "logit_bias", "prediction", "audio", "modalities",
+                       "response_format", "prediction", "audio", "modalities",
                        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
-_HARMLESS: dict[str, Any] = {"echo": False, "suffix": "", "best_of": 1, "logit_bias": {}}
+_HARMLESS: dict[str, Any] = {"echo": False, "suffix": "", "best_of": 1}
 UNSUPPORTED = {
     "completions": _UNSUPPORTED_COMMON + ("suffix", "echo", "best_of"),
     "chat": _UNSUPPORTED_COMMON + ("echo",),
@@ -62,6 +62,9 @@ class _SamplingRequest(_Strict):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
+    # OpenAI's shape: {"token id as a string": bias in [-100, 100]}; checked by SamplingParams
+    # (range) and the engine (vocabulary), each refusal a 400 naming logit_bias.
+    logit_bias: Optional[dict[str, float]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: Optional[str] = None  # an end-user id: accepted, as OpenAI does, and only logged

@@ -106,6 +106,7 @@ class OpenAIServing:
             stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             stop_token_ids=list(req.stop_token_ids or []), logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+            logit_bias=req.logit_bias or None,
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -115,7 +116,7 @@ class OpenAIServing:
         try:
             return SamplingParams(**kw)
         except ValueError as e:
-            raise bad_request(str(e)) from None
+            raise bad_request(str(e), "logit_bias" if "logit_bias" in str(e) else None) from None
 
     # -- running -------------------------------------------------------------------------
     def start(self, prefix: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
@@ -131,7 +132,7 @@ class OpenAIServing:
                 self.engine.abort(s.request_id)
             if isinstance(e, EngineDeadError):
                 raise APIError(503, f"the engine is not running: {e}", code="engine_dead") from None
-            raise bad_request(str(e)) from None
+            raise bad_request(str(e), "logit_bias" if "logit_bias" in str(e) else None) from None
         return request_id, streams
 
     def abort(self, streams: Sequence[RequestStream]) -> None:
