@@ -54,3 +54,29 @@ def test_ctrl_c_during_generate_frees_every_block(tiny_llama, mode):
                            SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 64
         _assert_clean(llm)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_reading_a_step_leaves_it_readable():
+    """A KeyboardInterrupt inside the host read is not the step's error (CI once saw it turn
+    into ``InvalidStateError`` and fail the request): the interrupt propagates, the future
+    stays unresolved, and the next ``result()`` returns the step's output."""
+    from tandem.executor.uniproc import _StepFuture
+    from tandem.types.runner_output import ModelRunnerOutput
+
+    out = ModelRunnerOutput(3, ["a"], [[7]])
+
+    class Launched:
+        calls = 0
+
+        def get(self) -> ModelRunnerOutput:
+            Launched.calls += 1
+            if Launched.calls == 1:
+                raise KeyboardInterrupt
+            return out
+
+    fut = _StepFuture(Launched())  # type: ignore[arg-type]
+    with pytest.raises(KeyboardInterrupt):
+        fut.result()
+    assert not fut.done()
+    assert fut.result() is out and fut.result() is out and Launched.calls == 2
