@@ -8,8 +8,8 @@ from starlette.responses import JSONResponse, Response
 
 from tandem.entrypoints.openai.errors import bad_request
 from tandem.entrypoints.openai.protocol import ChatCompletionRequest
-from tandem.entrypoints.openai.serving import SSE_DONE, UNFINISHED, ChoiceTracker, OpenAIServing, created, sse, usage
-from tandem.outputs import CompletionOutput, Logprob, RequestOutput
+from tandem.entrypoints.openai.serving import ChoiceBuilder, OpenAIServing, created, sse, usage
+from tandem.outputs import CompletionOutput, Logprob
 
 
 def _entry(lp: Logprob) -> dict[str, Any]:
@@ -69,34 +69,19 @@ class ChatServing(OpenAIServing):
         return JSONResponse({"id": request_id, "object": "chat.completion", "created": created(),
                              "model": self.model_name, "choices": choices, "usage": usage([len(ids)], outputs)})
 
+    @staticmethod
+    def _stream_choice(top: int) -> ChoiceBuilder:
+        def choice(index: int, c: CompletionOutput, text: str, start: int, end: int, offset: int) -> dict[str, Any]:
+            return {"index": index, "delta": {"content": text} if text else {},
+                    "logprobs": chat_logprobs(c, start, end, top),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        return choice
+
     async def _stream(self, request_id: str, n: int, prompt_len: int, streams: list, include_usage: bool,
                       top: int) -> AsyncIterator[str]:
-        tracker = ChoiceTracker(n)
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created(), "model": self.model_name}
         yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                         "finish_reason": None} for i in range(n)]})
-        final: Optional[RequestOutput] = None
-        async for _, out in self.merged(streams):
-            if out.error is not None:
-                yield self.error_event(out.error)
-                yield SSE_DONE
-                return
-            choices = []
-            for c in out.outputs:
-                d = tracker.delta(c.index, c)
-                if d is not None:
-                    text, start, end = d
-                    choices.append({"index": c.index, "delta": {"content": text} if text else {},
-                                    "logprobs": chat_logprobs(c, start, end, top),
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-            if choices:
-                yield sse({**head, "choices": choices})
-            if out.finished:
-                final = out
-        if final is None:  # aborted by the server (shutting down): not a normal end
-            yield self.error_event(UNFINISHED)
-            yield SSE_DONE
-            return
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage([prompt_len], [final])})
-        yield SSE_DONE
+        async for chunk in self.stream_choices(streams, n, head, self._stream_choice(top), include_usage,
+                                               [prompt_len]):
+            yield chunk

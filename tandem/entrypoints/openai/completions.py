@@ -7,8 +7,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tandem.entrypoints.openai.protocol import CompletionRequest
-from tandem.entrypoints.openai.serving import SSE_DONE, UNFINISHED, ChoiceTracker, OpenAIServing, created, sse, usage
-from tandem.outputs import CompletionOutput, RequestOutput
+from tandem.entrypoints.openai.serving import OpenAIServing, created, usage
+from tandem.outputs import CompletionOutput
 
 # Completions default to 16 tokens (OpenAI's default for this endpoint).
 _DEFAULT_MAX_TOKENS = 16
@@ -61,32 +61,12 @@ class CompletionServing(OpenAIServing):
                 "logprobs": completion_logprobs(c, start, end, text_offset),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
+    def _stream_choice(self, index: int, c: CompletionOutput, text: str, start: int, end: int,
+                       offset: int) -> dict[str, Any]:
+        return self._choice(index, c, start, end, text, offset)
+
     async def _stream(self, request_id: str, n: int, prompt_lens: list[int], streams: list,
                       include_usage: bool) -> AsyncIterator[str]:
-        tracker = ChoiceTracker(len(streams) * n)
-        finals: dict[int, RequestOutput] = {}
         head = {"id": request_id, "object": "text_completion", "created": created(), "model": self.model_name}
-        async for i, out in self.merged(streams):
-            if out.error is not None:
-                yield self.error_event(out.error)
-                yield SSE_DONE
-                return
-            choices = []
-            for c in out.outputs:
-                index = i * n + c.index
-                offset = tracker.text_sent[index]
-                d = tracker.delta(index, c)
-                if d is not None:
-                    text, start, end = d
-                    choices.append(self._choice(index, c, start, end, text, offset))
-            if choices:
-                yield sse({**head, "choices": choices})
-            if out.finished:
-                finals[i] = out
-        if len(finals) < len(streams):  # aborted by the server (shutting down): not a normal end
-            yield self.error_event(UNFINISHED)
-            yield SSE_DONE
-            return
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(prompt_lens, list(finals.values()))})
-        yield SSE_DONE
+        async for chunk in self.stream_choices(streams, n, head, self._stream_choice, include_usage, prompt_lens):
+            yield chunk

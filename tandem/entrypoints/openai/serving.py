@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -44,6 +44,9 @@ def sse(data: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+# A streamed choice's JSON from (choice index, output, new text, first new token, end token,
+# characters of text sent before this chunk).
+ChoiceBuilder = Callable[[int, CompletionOutput, str, int, int, int], dict[str, Any]]
 UNFINISHED = "the request was aborted before it finished (the server is shutting down)"
 
 
@@ -191,6 +194,38 @@ class OpenAIServing:
         finally:
             for t in tasks:
                 t.cancel()
+
+    async def stream_choices(self, streams: list[RequestStream], n: int, head: dict[str, Any],
+                             choice: ChoiceBuilder, include_usage: bool,
+                             prompt_lens: list[int]) -> AsyncIterator[str]:
+        """The SSE body both endpoints stream: one chunk per engine output that moved any
+        choice (choice ``i * n + c.index`` for prompt ``i``), then the usage chunk if asked,
+        then ``[DONE]``. An engine error or a server abort ends it with an error event."""
+        tracker = ChoiceTracker(len(streams) * n)
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in self.merged(streams):
+            if out.error is not None:
+                yield self.error_event(out.error)
+                yield SSE_DONE
+                return
+            choices = []
+            for c in out.outputs:
+                index = i * n + c.index
+                offset = tracker.text_sent[index]
+                d = tracker.delta(index, c)
+                if d is not None:
+                    choices.append(choice(index, c, *d, offset))
+            if choices:
+                yield sse({**head, "choices": choices})
+            if out.finished:
+                finals[i] = out
+        if len(finals) < len(streams):  # aborted by the server (shutting down): not a normal end
+            yield self.error_event(UNFINISHED)
+            yield SSE_DONE
+            return
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(prompt_lens, [finals[i] for i in sorted(finals)])})
+        yield SSE_DONE
 
     def stream_response(self, body: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
         async def guarded() -> AsyncIterator[str]:
