@@ -41,10 +41,7 @@ import bench_common as bc  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(__doc__.splitlines()[1:]))
-    bc.common_prompt_args(ap)
+    ap = bc.script_parser(__doc__)
     ap.add_argument("--cpu-kv-cache-gib", type=float, default=0.5, help="KV cache of each engine on the CPU")
     ap.add_argument("--isolate", action="store_true", help="one worker process per mode")
     ap.add_argument("--executor", default="auto", choices=("auto", "uniproc", "multiproc", "ray"),
@@ -147,12 +144,9 @@ class SubprocRunner:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    from transformers import AutoTokenizer
 
     device = bc.resolved_device(a.device)
-    folder = bc.resolve_folder(a.model)
-    tok = AutoTokenizer.from_pretrained(folder)
-    wl = bc.build_workload(tok, a.num_prompts, a.input_len_range, a.output_len_range, a.seed, a.prompt_source)
+    folder, tok, wl = bc.load_workload(a)
     info = bc.machine_info()
     print(f"# async vs sync  {info['date']}  device={device} dtype={a.dtype} torch={info['torch']} "
           f"threads={info['torch_threads']} cpus={info['cpu_count']} tandem@{info['tandem_commit']}", flush=True)

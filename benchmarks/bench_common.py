@@ -166,6 +166,25 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def script_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark script's parser: the docstring's first line as its description, the rest
+    (usage examples) as its epilog, and the shared model and prompt flags."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(doc.splitlines()[1:]))
+    common_prompt_args(ap)
+    return ap
+
+
+def load_workload(a: argparse.Namespace) -> tuple[str, Any, "Workload"]:
+    """(model folder, its tokenizer, the prompts) that the shared flags in ``a`` describe."""
+    from transformers import AutoTokenizer
+
+    folder = resolve_folder(a.model)
+    tok = AutoTokenizer.from_pretrained(folder)
+    return folder, tok, build_workload(tok, a.num_prompts, a.input_len_range, a.output_len_range, a.seed,
+                                       a.prompt_source)
+
+
 def common_prompt_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None,
                     help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)")

@@ -38,10 +38,7 @@ import bench_common as bc  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(__doc__.splitlines()[1:]))
-    bc.common_prompt_args(ap)
+    ap = bc.script_parser(__doc__)
     ap.add_argument("--hf-batch-size", type=int, default=None,
                     help="prompts per HF generate call (default: all prompts in one batch)")
     ap.add_argument("--skip-hf-single", action="store_true", help="do not run the one-prompt-at-a-time baseline")
@@ -114,15 +111,12 @@ def _match(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    from transformers import AutoTokenizer
 
     from tandem import LLM, SamplingParams
 
     device = bc.resolved_device(a.device)
     dtype = bc.torch_dtype(a.dtype, device)
-    folder = bc.resolve_folder(a.model)
-    tok = AutoTokenizer.from_pretrained(folder)
-    wl = bc.build_workload(tok, a.num_prompts, a.input_len_range, a.output_len_range, a.seed, a.prompt_source)
+    folder, tok, wl = bc.load_workload(a)
     hf_bs = a.hf_batch_size or len(wl.prompts)
     info = bc.machine_info()
     print(f"# offline throughput  {info['date']}  device={device} dtype={dtype} torch={info['torch']} "

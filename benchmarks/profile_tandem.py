@@ -25,10 +25,7 @@ import bench_common as bc  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(__doc__.splitlines()[1:]))
-    bc.common_prompt_args(ap)
+    ap = bc.script_parser(__doc__)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--torch-ops", action="store_true", help="also run once under torch.profiler")
@@ -38,13 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    from transformers import AutoTokenizer
 
     from tandem import LLM, SamplingParams
 
     device = bc.resolved_device(a.device)
-    tok = AutoTokenizer.from_pretrained(bc.resolve_folder(a.model))
-    wl = bc.build_workload(tok, a.num_prompts, a.input_len_range, a.output_len_range, a.seed, a.prompt_source)
+    _, tok, wl = bc.load_workload(a)
     llm = LLM(model=a.model, device=device, dtype=a.dtype, async_scheduling=a.async_scheduling,
               max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
               enable_prefix_caching=a.enable_prefix_caching)

@@ -12,7 +12,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from proc_utils import pid_alive, wait_gone
+from proc_utils import descendants, pid_alive, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -213,34 +212,6 @@ def describe(r: subprocess.CompletedProcess) -> str:
     """A failed run, for an assertion message: the command, status and both outputs' tails."""
     return f"$ {shlex.join(map(str, r.args))}\nexit {r.returncode}\n--- stdout\n{r.stdout[-4000:]}\n" \
            f"--- stderr\n{r.stderr[-4000:]}"
-
-
-def free_port() -> int:
-    """A loopback TCP port nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (children, their children, ...), from /proc."""
-    parents: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if rest[0] != "Z":
-            parents.setdefault(int(rest[1]), []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
 
 
 class BackgroundServer:

@@ -31,7 +31,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 
 from executor_test_utils import BASE, FAULTY, pid_alive, wait_gone  # noqa: E402
-from proc_utils import live_children  # noqa: E402
+from proc_utils import children_of, live_children  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
 from tandem.entrypoints.llm import LLM  # noqa: E402
 from tandem.executor.multiproc import MultiprocExecutor  # noqa: E402
@@ -307,19 +307,6 @@ def test_ctrl_c_stops_driver_and_workers_without_a_traceback(tp_model):
     assert not os.path.exists(info["dir"])
 
 
-def _children_of(pid: int) -> list[int]:
-    """Live processes whose parent is ``pid`` (a subprocess's own workers), from /proc."""
-    found = []
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            rest = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(rest[1]) == pid and rest[0] != "Z":
-            found.append(int(d))
-    return found
-
-
 @pytest.mark.timeout(150)
 def test_ctrl_c_during_tandem_generate_leaves_no_process_and_no_traceback(tp_model):
     """The same through the CLI, whose own handler reports the interrupt in one line."""
@@ -329,7 +316,7 @@ def test_ctrl_c_during_tandem_generate_leaves_no_process_and_no_traceback(tp_mod
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 100
-        while len(workers := _children_of(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        while len(workers := children_of(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
         assert len(workers) == 2, "the CLI never started its workers"
         time.sleep(2.0)  # starting up or generating: either way Ctrl-C must be quiet

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,43 +13,12 @@ from typing import Callable, Optional
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from proc_utils import pid_alive, wait_gone
+from proc_utils import children_of, cmdline, descendants, free_port, pid_alive, wait_gone
 
 # The tiny test tokenizer has no chat template: a plain one that shows every message.
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} t2 {% endfor %}"
                  "{% if add_generation_prompt %}t3{% endif %}")
 START_TIMEOUT_S = 300.0  # a loaded two-core machine can take minutes to import torch twice
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def children_of(pid: int) -> list[int]:
-    """Live processes whose parent is ``pid``."""
-    found = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(rest[1]) == pid and rest[0] != "Z":
-            found.append(int(d))
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        kids = children_of(todo.pop())
-        out += kids
-        todo += kids
-    return out
 
 
 class ServerProcess:
@@ -73,7 +41,7 @@ class ServerProcess:
         self._log_file = open(self.log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT)
         self._wait_healthy()
-        cores = [p for p in children_of(self.proc.pid) if "tandem.engine.core_process" in _cmdline(p)]
+        cores = [p for p in children_of(self.proc.pid) if "tandem.engine.core_process" in cmdline(p)]
         assert len(cores) == 1, f"expected one engine-core process, found {cores}"
         self.core_pid = cores[0]
 
@@ -116,14 +84,6 @@ class ServerProcess:
         left = wait_gone([p for p in family if p != self.proc.pid], timeout=15)
         assert not left, f"processes left behind by the server: {left}"
         return code
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def _kill(pid: int) -> None:
