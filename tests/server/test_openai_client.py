@@ -120,6 +120,27 @@ def test_streamed_text_equals_non_streamed_for_the_same_seed(client, model):
     assert usage_seen is not None and usage_seen.total_tokens == full_chat.usage.total_tokens
 
 
+def test_continuous_usage_stats_counts_up_in_every_chunk(client, model):
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it): every chunk with
+    choices carries the usage so far, rising to the final usage chunk's figures."""
+    kw = dict(model=model, prompt="t5 t6 t7", max_tokens=12, temperature=0, n=2, extra_body={"ignore_eos": True})
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    seen, final = [], None
+    for chunk in client.completions.create(stream=True, stream_options=options, **kw):
+        if chunk.choices:
+            assert chunk.usage is not None, chunk
+            assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+            seen.append(chunk.usage.completion_tokens)
+        else:
+            final = chunk.usage
+    assert final is not None and final.completion_tokens == 24
+    assert seen == sorted(seen) and seen[-1] == 24 and seen[0] >= 1
+    assert final == client.completions.create(**kw).usage
+    plain = [c.usage for c in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+             if c.choices]
+    assert plain and all(u is None for u in plain), "usage only in the last chunk without continuous_usage_stats"
+
+
 def test_seed_reproducible_and_n_choices_differ(client, model):
     kw = dict(model=model, prompt="t30 t31", max_tokens=16, temperature=1.0, n=2)
     a = client.completions.create(seed=7, **kw)

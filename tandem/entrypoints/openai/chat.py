@@ -7,7 +7,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tandem.entrypoints.openai.errors import bad_request
-from tandem.entrypoints.openai.protocol import ChatCompletionRequest
+from tandem.entrypoints.openai.protocol import ChatCompletionRequest, StreamOptions
 from tandem.entrypoints.openai.serving import ChoiceBuilder, OpenAIServing, created, sse, usage
 from tandem.outputs import CompletionOutput, Logprob
 
@@ -54,9 +54,8 @@ class ChatServing(OpenAIServing):
         params = self.sampling_params(req, max_tokens, top if req.logprobs else None)
         request_id, streams = self.start("chatcmpl", [ids], [params])
         if req.stream:
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return self.stream_response(self._stream(request_id, req.n, len(ids), streams, include_usage,
-                                                           top), streams)
+            return self.stream_response(self._stream(request_id, req.n, len(ids), streams, req.stream_options,
+                                                     top), streams)
         outputs = await self.collect(request, streams)
         if outputs is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
@@ -77,11 +76,10 @@ class ChatServing(OpenAIServing):
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         return choice
 
-    async def _stream(self, request_id: str, n: int, prompt_len: int, streams: list, include_usage: bool,
-                      top: int) -> AsyncIterator[str]:
+    async def _stream(self, request_id: str, n: int, prompt_len: int, streams: list,
+                      options: Optional[StreamOptions], top: int) -> AsyncIterator[str]:
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created(), "model": self.model_name}
         yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                         "finish_reason": None} for i in range(n)]})
-        async for chunk in self.stream_choices(streams, n, head, self._stream_choice(top), include_usage,
-                                               [prompt_len]):
+        async for chunk in self.stream_choices(streams, n, head, self._stream_choice(top), options, [prompt_len]):
             yield chunk

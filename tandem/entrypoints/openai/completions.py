@@ -6,7 +6,7 @@ from typing import Any, AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tandem.entrypoints.openai.protocol import CompletionRequest
+from tandem.entrypoints.openai.protocol import CompletionRequest, StreamOptions
 from tandem.entrypoints.openai.serving import OpenAIServing, created, usage
 from tandem.outputs import CompletionOutput
 
@@ -40,8 +40,8 @@ class CompletionServing(OpenAIServing):
         request_id, streams = self.start("cmpl", ids_list, params)
         prompt_lens = [len(ids) for ids in ids_list]
         if req.stream:
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return self.stream_response(self._stream(request_id, req.n, prompt_lens, streams, include_usage), streams)
+            return self.stream_response(self._stream(request_id, req.n, prompt_lens, streams, req.stream_options),
+                                        streams)
         outputs = await self.collect(request, streams)
         if outputs is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
@@ -66,7 +66,7 @@ class CompletionServing(OpenAIServing):
         return self._choice(index, c, start, end, text, offset)
 
     async def _stream(self, request_id: str, n: int, prompt_lens: list[int], streams: list,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      options: Optional[StreamOptions]) -> AsyncIterator[str]:
         head = {"id": request_id, "object": "text_completion", "created": created(), "model": self.model_name}
-        async for chunk in self.stream_choices(streams, n, head, self._stream_choice, include_usage, prompt_lens):
+        async for chunk in self.stream_choices(streams, n, head, self._stream_choice, options, prompt_lens):
             yield chunk

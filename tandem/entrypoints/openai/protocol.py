@@ -40,6 +40,13 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # vLLM's extension (load generators such as guidellm send it): with include_usage, every
+    # chunk also carries the usage so far.
+    continuous_usage_stats: bool = False
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class _SamplingRequest(_Strict):

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from tandem.engine.async_llm import AsyncLLM, RequestStream
 from tandem.engine.messages import EngineDeadError
 from tandem.entrypoints.openai.errors import APIError, bad_request, error_body
-from tandem.entrypoints.openai.protocol import _SamplingRequest
+from tandem.entrypoints.openai.protocol import StreamOptions, _SamplingRequest
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -196,11 +196,15 @@ class OpenAIServing:
                 t.cancel()
 
     async def stream_choices(self, streams: list[RequestStream], n: int, head: dict[str, Any],
-                             choice: ChoiceBuilder, include_usage: bool,
+                             choice: ChoiceBuilder, options: Optional[StreamOptions],
                              prompt_lens: list[int]) -> AsyncIterator[str]:
         """The SSE body both endpoints stream: one chunk per engine output that moved any
-        choice (choice ``i * n + c.index`` for prompt ``i``), then the usage chunk if asked,
-        then ``[DONE]``. An engine error or a server abort ends it with an error event."""
+        choice (choice ``i * n + c.index`` for prompt ``i``; with ``continuous_usage_stats``
+        each with the usage so far), then the usage chunk if asked, then ``[DONE]``. An
+        engine error or a server abort ends it with an error event."""
+        include_usage = options is not None and options.include_usage
+        continuous = options is not None and options.continuous_usage
+        prompt_tokens = sum(prompt_lens)
         tracker = ChoiceTracker(len(streams) * n)
         finals: dict[int, RequestOutput] = {}
         async for i, out in self.merged(streams):
@@ -216,7 +220,12 @@ class OpenAIServing:
                 if d is not None:
                     choices.append(choice(index, c, *d, offset))
             if choices:
-                yield sse({**head, "choices": choices})
+                chunk = {**head, "choices": choices}
+                if continuous:
+                    done = sum(tracker.tokens_sent)
+                    chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                                      "total_tokens": prompt_tokens + done}
+                yield sse(chunk)
             if out.finished:
                 finals[i] = out
         if len(finals) < len(streams):  # aborted by the server (shutting down): not a normal end
