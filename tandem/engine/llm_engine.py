@@ -42,8 +42,6 @@ class LLMEngine:
         self.input_processor = InputProcessor(config, self.model_config, self.tokenizer)
         self.input_processor.num_kv_blocks = self.core.kv_cache.num_blocks
         self.output_processor = OutputProcessor(self.tokenizer, config.enable_prefix_caching)
-        # The live requests by id (``LLM`` checks it to tell finished work from pending work).
-        self._parents = self.output_processor.requests
 
     # -- input ---------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -65,6 +63,12 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.core.has_work()
+
+    def has_only_leftover_steps(self) -> bool:
+        """Every request has ended but steps are still in flight (async scheduling launched
+        one past a finish, or an interrupt left one queued): the core still has work for
+        nobody."""
+        return self.core.has_work() and not self.output_processor.has_unfinished_requests()
 
     # -- output --------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:

@@ -272,7 +272,7 @@ class LLM:
 
     def _run_until_idle(self) -> None:
         """Let in-flight steps of finished requests complete, so the next call starts clean."""
-        while self.engine.core.has_work() and not self.engine._parents:
+        while self.engine.has_only_leftover_steps():
             self.engine.step()
 
     def shutdown(self) -> None:
