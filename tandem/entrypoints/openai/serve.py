@@ -15,10 +15,14 @@ import signal
 import socket
 import sys
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
 from tandem.config import EngineConfig
 from tandem.engine.async_llm import DEFAULT_HANG_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from tandem.engine.async_llm import AsyncLLM
+    from tandem.entrypoints.openai.serving import ServerSettings
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -54,38 +58,22 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 def serve_main(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM: 0 on a clean stop, 2 on bad arguments or model files,
     1 when the engine core or the server cannot start, 130 on Ctrl-C during the start."""
-    import uvicorn
-
     from tandem.engine.async_llm import AsyncLLM
     from tandem.engine.messages import EngineStartError
     from tandem.entrypoints.llm import prepare_model
-    from tandem.entrypoints.openai.api_server import build_app
     from tandem.entrypoints.openai.metrics import PrometheusStatLogger
-    from tandem.entrypoints.openai.serving import ServerSettings
 
     try:
-        if args.model_tag is not None:
-            if args.model is not None and args.model != args.model_tag:
-                raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
-            args.model = args.model_tag
-        config = EngineConfig.from_cli_args(args)
-        chat_template = _read_template(args.chat_template)
-        for flag in ("max_n", "max_prompts", "max_request_body_bytes"):
-            if getattr(args, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+        config, settings = _settings_from_args(args)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    settings = ServerSettings(served_model_names=names, api_key=args.api_key or os.environ.get("TANDEM_API_KEY"),
-                              max_n=args.max_n, max_prompts=args.max_prompts,
-                              max_body_bytes=args.max_request_body_bytes, chat_template=chat_template)
     try:  # the port first: a taken one fails in a second, not after the model has loaded
         sock = _listen_socket(args.host, args.port)
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
-    stat_logger = PrometheusStatLogger(names[0])
+    stat_logger = PrometheusStatLogger(settings.served_model_names[0])
     try:
         model_config = prepare_model(config)  # the model files and the machine, before any process starts
         engine = AsyncLLM(config, model_config, stat_logger=stat_logger, hang_timeout_s=args.engine_hang_timeout_s)
@@ -100,10 +88,41 @@ def serve_main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C while the model loads: the core process is already stopped
         sock.close()
         return 130
+    return _serve(args, engine, settings, stat_logger, sock)
+
+
+def _settings_from_args(args: argparse.Namespace) -> tuple[EngineConfig, "ServerSettings"]:
+    """The engine config and the server settings the flags give (ValueError/OSError if they are bad)."""
+    from tandem.entrypoints.openai.serving import ServerSettings
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    config = EngineConfig.from_cli_args(args)
+    chat_template = _read_template(args.chat_template)
+    for flag in ("max_n", "max_prompts", "max_request_body_bytes"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    settings = ServerSettings(served_model_names=names, api_key=args.api_key or os.environ.get("TANDEM_API_KEY"),
+                              max_n=args.max_n, max_prompts=args.max_prompts,
+                              max_body_bytes=args.max_request_body_bytes, chat_template=chat_template)
+    return config, settings
+
+
+def _serve(args: argparse.Namespace, engine: "AsyncLLM", settings: "ServerSettings", stat_logger: Any,
+           sock: socket.socket) -> int:
+    """Serve on ``sock`` until SIGINT/SIGTERM, then stop the engine: 0, or 1 if uvicorn never started."""
+    import uvicorn
+
+    from tandem.entrypoints.openai.api_server import build_app
+
+    name = settings.served_model_names[0]
 
     @asynccontextmanager
     async def lifespan(_: object) -> AsyncIterator[None]:
-        print(f"tandem: serving {names[0]} on http://{args.host}:{args.port} (OpenAI API under /v1)",
+        print(f"tandem: serving {name} on http://{args.host}:{args.port} (OpenAI API under /v1)",
               file=sys.stderr, flush=True)
         yield
         await engine.shutdown()
