@@ -106,14 +106,9 @@ async def parse_body(request: Request, model: type[M], endpoint: Optional[str] =
         raise from_validation_error(e) from None
 
 
-def build_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: PrometheusStatLogger,
-              lifespan: Optional[Callable[[FastAPI], AsyncContextManager[None]]] = None) -> FastAPI:
-    app = FastAPI(title="tandem", version=tandem.__version__, docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
-    completions = CompletionServing(engine, settings)
-    chat = ChatServing(engine, settings)
-    created = int(time.time())
-
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as OpenAI's JSON body: ours, a dead engine (503), Starlette's own
+    HTTP errors (404, 405, ...) and anything unexpected (500, logged with its traceback)."""
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> Response:
         return e.response()
@@ -131,6 +126,17 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: Prometheu
     async def _unexpected(_: Request, e: Exception) -> Response:
         logger.exception("unexpected error while serving a request")
         return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"), status_code=500)
+
+
+def build_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: PrometheusStatLogger,
+              lifespan: Optional[Callable[[FastAPI], AsyncContextManager[None]]] = None) -> FastAPI:
+    app = FastAPI(title="tandem", version=tandem.__version__, docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    completions = CompletionServing(engine, settings)
+    chat = ChatServing(engine, settings)
+    created = int(time.time())
+
+    _add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
