@@ -22,8 +22,9 @@ import shlex
 
 import pytest
 
-from readme_utils import (ROOT, BackgroundServer, Command, Snippet, Unit, describe, free_port, option,
-                          readme_units, run, run_python, without)
+from proc_utils import free_port
+from readme_utils import (ROOT, BackgroundServer, Command, Snippet, Unit, describe, option, readme_units, run,
+                          run_python, without)
 
 pytestmark = pytest.mark.slow
 
