@@ -31,6 +31,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 
 from executor_test_utils import BASE, FAULTY, pid_alive, wait_gone  # noqa: E402
+from outsider import send_as_outsider  # noqa: E402
 from proc_utils import children_of, live_children  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
 from tandem.entrypoints.llm import LLM  # noqa: E402
@@ -166,15 +167,6 @@ class _Pwn:
         return (open, (self.path, "w"))
 
 
-def _send_as_outsider(address: str, frames: list[bytes]) -> None:
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.PUSH)
-    s.connect(address)
-    s.send_multipart(frames)
-    s.close(linger=2000)
-    ctx.term()
-
-
 @pytest.mark.timeout(120)
 def test_an_outsider_cannot_inject_calls_or_replies(tp_model, reference_tokens, tmp_path):
     """A process of the same user (other users cannot even reach the directory) connects to
@@ -200,7 +192,7 @@ def test_an_outsider_cannot_inject_calls_or_replies(tp_model, reference_tokens, 
             reader.connect(address)
             for frames in ([evil], [b"\0" * 32 + evil], [b"\0" * 32 + crash], [os.urandom(32) + fake_reply],
                            [crash], [b"\0" * 32, crash]):
-                _send_as_outsider(address, frames)
+                send_as_outsider(address, frames)
         time.sleep(0.5)
         out = llm.generate(PROMPTS, SP, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in out] == reference_tokens

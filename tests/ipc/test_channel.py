@@ -20,6 +20,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 
 from echo_child import Ping, Pong  # noqa: E402
+from outsider import send_as_outsider  # noqa: E402
 from proc_utils import pid_alive, wait_gone  # noqa: E402
 from tandem.ipc import Channel, PrivateDir, encode, new_secret, start_child  # noqa: E402
 
@@ -41,16 +42,6 @@ def pair():
     b.close()
     ctx.term()
     where.remove()
-
-
-def _outsider(address: str, frames: list[bytes]) -> None:
-    """Connect to an endpoint as another process would, and send raw frames."""
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.PUSH)
-    s.connect(address)
-    s.send_multipart(frames)
-    s.close(linger=2000)
-    ctx.term()
 
 
 @pytest.mark.timeout(30)
@@ -85,13 +76,13 @@ def test_a_process_without_the_secret_cannot_inject_a_message(pair):
     _, a, b = pair
     forged = encode(Note("forged"))
     evil = pickle.dumps(Note)  # never reaches a decoder, let alone pickle
-    _outsider(b.local, [b"\0" * 32 + forged])  # wrong MAC
-    _outsider(b.local, [forged])  # no MAC
-    _outsider(b.local, [b"x" * 32 + evil])
-    _outsider(b.local, [b"a" * 40, b"b", b"c"])
+    send_as_outsider(b.local, [b"\0" * 32 + forged])  # wrong MAC
+    send_as_outsider(b.local, [forged])  # no MAC
+    send_as_outsider(b.local, [b"x" * 32 + evil])
+    send_as_outsider(b.local, [b"a" * 40, b"b", b"c"])
     b.send(Note("mine"))  # a valid message for the *other* direction, reflected back at b:
     frames = a._rx.recv_multipart()  # noqa: SLF001  (take it off the wire as an attacker would)
-    _outsider(b.local, frames)
+    send_as_outsider(b.local, frames)
     deadline = time.monotonic() + 5
     while b.rejected < 5 and time.monotonic() < deadline:
         assert b.try_recv(Note) is None

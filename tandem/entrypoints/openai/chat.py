@@ -57,11 +57,8 @@ class ChatServing(OpenAIServing):
             return self.stream_response(self._stream(request_id, req.n, len(ids), streams, req.stream_options,
                                                      top), streams)
         outputs = await self.collect(request, streams)
-        if outputs is None:
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        error = self.failed(outputs)
-        if error is not None:
-            return self.error_response(error)
+        if isinstance(outputs, Response):
+            return outputs  # the client left, or a request failed in the engine
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": chat_logprobs(c, 0, len(c.token_ids), top),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in outputs[0].outputs]

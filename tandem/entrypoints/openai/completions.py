@@ -43,11 +43,8 @@ class CompletionServing(OpenAIServing):
             return self.stream_response(self._stream(request_id, req.n, prompt_lens, streams, req.stream_options),
                                         streams)
         outputs = await self.collect(request, streams)
-        if outputs is None:
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        error = self.failed(outputs)
-        if error is not None:
-            return self.error_response(error)
+        if isinstance(outputs, Response):
+            return outputs  # the client left, or a request failed in the engine
         choices = [self._choice(i * req.n + c.index, c, 0, len(c.token_ids))
                    for i, o in enumerate(outputs) for c in o.outputs]
         return JSONResponse({"id": request_id, "object": "text_completion", "created": created(),

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.engine.async_llm import AsyncLLM, RequestStream
 from tandem.engine.messages import EngineDeadError
@@ -143,8 +143,9 @@ class OpenAIServing:
             if not s.finished:
                 self.engine.abort(s.request_id)
 
-    async def collect(self, request: Request, streams: list[RequestStream]) -> Optional[list[RequestOutput]]:
-        """Every request's final output; None (and everything aborted) if the client left first."""
+    async def collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput] | Response:
+        """Every request's final output, or the response to send instead: 499 (and everything
+        aborted) if the client left first, 500 with the engine's message if a request failed."""
         async def last(stream: RequestStream) -> RequestOutput:
             out: Optional[RequestOutput] = None
             async for out in stream:
@@ -163,8 +164,12 @@ class OpenAIServing:
                 self.abort(streams)
             gone.cancel()
         if results.cancelled():
-            return None
-        return results.result()
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        outputs: list[RequestOutput] = results.result()
+        error = self._failed(outputs)
+        if error is not None:
+            return JSONResponse(error_body(500, error, code="engine_error"), status_code=500)
+        return outputs
 
     @staticmethod
     async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -248,15 +253,11 @@ class OpenAIServing:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @staticmethod
-    def failed(outputs: Sequence[RequestOutput]) -> Optional[str]:
+    def _failed(outputs: Sequence[RequestOutput]) -> Optional[str]:
         for o in outputs:
             if o.error is not None or any(c.finish_reason == "error" for c in o.outputs):
                 return o.error or "the request failed in the engine"
         return None
-
-    @staticmethod
-    def error_response(message: str) -> JSONResponse:
-        return JSONResponse(error_body(500, message, code="engine_error"), status_code=500)
 
     @staticmethod
     def error_event(message: str) -> str:
