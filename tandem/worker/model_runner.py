@@ -429,7 +429,7 @@ class ModelRunner:
         if (n_out_all < b.min_tokens[rows]).any():
             seg["min_tokens_rows"], seg["min_tokens_cols"] = self._stage_min_tokens(plan, sample_idx, n_out_all)
         if b.logit_bias:
-            biased = [(k, b.logit_bias[int(r)]) for k, r in enumerate(rows.tolist()) if int(r) in b.logit_bias]
+            biased = [(k, b.logit_bias[r]) for k, r in enumerate(rows.tolist()) if r in b.logit_bias]
             if biased:
                 vocab = self.vocab_size
                 seg["logit_bias_index"] = sb.put(np.concatenate([k * vocab + ids for k, (ids, _) in biased]))

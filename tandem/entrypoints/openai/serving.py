@@ -119,7 +119,7 @@ class OpenAIServing:
         try:
             return SamplingParams(**kw)
         except ValueError as e:
-            raise bad_request(str(e), "logit_bias" if "logit_bias" in str(e) else None) from None
+            raise _refused_params(e) from None
 
     # -- running -------------------------------------------------------------------------
     def start(self, prefix: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
@@ -135,7 +135,7 @@ class OpenAIServing:
                 self.engine.abort(s.request_id)
             if isinstance(e, EngineDeadError):
                 raise APIError(503, f"the engine is not running: {e}", code="engine_dead") from None
-            raise bad_request(str(e), "logit_bias" if "logit_bias" in str(e) else None) from None
+            raise _refused_params(e) from None
         return request_id, streams
 
     def abort(self, streams: Sequence[RequestStream]) -> None:
@@ -262,6 +262,14 @@ class OpenAIServing:
     @staticmethod
     def error_event(message: str) -> str:
         return sse(error_body(500, message, code="engine_error"))
+
+
+def _refused_params(e: ValueError) -> APIError:
+    """The 400 for a request that SamplingParams or the engine's input checks refused. Only a
+    bad ``logit_bias`` map gets a ``param``; the other refusals that reach here (a prompt
+    too long, min_tokens above max_tokens, ...) keep ``param`` empty."""
+    message = str(e)
+    return bad_request(message, "logit_bias" if "logit_bias" in message else None)
 
 
 def created() -> int:
