@@ -1,7 +1,7 @@
 """tandem: an LLM serving engine whose scheduler runs one step ahead of the device."""
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig"]
 __version__ = "0.1.0"
 
 

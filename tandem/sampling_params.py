@@ -5,6 +5,7 @@ it reaches the scheduler with a message that names the field and the value.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Annotated, Any, Optional
 
 from pydantic import Field, field_validator, model_validator
@@ -12,6 +13,37 @@ from pydantic import Field, field_validator, model_validator
 from tandem.validation import INT64_MAX, INT64_MIN, StrictModel, show
 
 _GREEDY_EPS = 1e-5
+
+
+# vLLM names the schema field ``json``, which shadows pydantic's deprecated ``BaseModel.json()``:
+# harmless (nothing here calls that method), so the field keeps vLLM's name.
+warnings.filterwarnings("ignore", message='Field name "json" in "StructuredOutputsParams" shadows', category=UserWarning)
+
+
+class StructuredOutputsParams(StrictModel):
+    """Constrain a request's output to a JSON schema, a regex, one of several strings or an EBNF
+    grammar (vLLM's ``StructuredOutputsParams``); exactly one of the constraints is given."""
+
+    what = "structured outputs"
+
+    json: Optional[dict[str, Any] | str] = Field(None, description="a JSON schema (object or JSON text) the "
+                                                                   "output must validate against")
+    regex: Optional[str] = Field(None, description="a regular expression the whole output must match")
+    choice: Optional[list[str]] = Field(None, description="the output is exactly one of these strings")
+    grammar: Optional[str] = Field(None, description="an EBNF (GBNF) grammar the output must follow")
+    json_object: Optional[bool] = Field(None, description="the output is any JSON object")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputsParams":
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("structured outputs take exactly one of json, regex, choice, grammar and json_object, "
+                             f"got {given or 'none'}")
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured outputs: choice must list at least one string")
+        return self
 
 
 class SamplingParams(StrictModel):
@@ -69,6 +101,8 @@ class SamplingParams(StrictModel):
     logit_bias: Optional[dict[int, float]] = Field(
         None, description="token id -> value in [-100, 100] added to that token's logit before sampling "
                           "(-100 bans a token, 100 all but forces it)")
+    structured_outputs: Optional[StructuredOutputsParams] = Field(
+        None, description="constrain the output to a JSON schema, regex, choice or grammar")
 
     @field_validator("stop", mode="before")
     @classmethod
