@@ -183,6 +183,9 @@ class StrictModel(BaseModel):
             elif get_origin(annotation) is dict:
                 kw["help"] += " (a JSON object, e.g. '{\"42\": -100}')"
                 conv = _json_object
+            elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                kw["help"] += " (a JSON object of its fields)"
+                conv = _json_object
             else:
                 conv = annotation
             kw["type"] = _none_or(conv) if optional else conv
