@@ -17,7 +17,8 @@ _GREEDY_EPS = 1e-5
 
 # vLLM names the schema field ``json``, which shadows pydantic's deprecated ``BaseModel.json()``:
 # harmless (nothing here calls that method), so the field keeps vLLM's name.
-warnings.filterwarnings("ignore", message='Field name "json" in "StructuredOutputsParams" shadows', category=UserWarning)
+warnings.filterwarnings("ignore", message='Field name "json" in "StructuredOutputsParams" shadows',
+                        category=UserWarning)
 
 
 class StructuredOutputsParams(StrictModel):
