@@ -56,7 +56,7 @@ def reference(tiny_llama):
 @pytest.mark.parametrize("core", ["thread", "process"])
 def test_same_outputs_as_offline(tiny_llama, reference, core):
     async def main():
-        engine = AsyncLLM(EngineConfig(model=tiny_llama, **ENGINE), engine_core=core)
+        engine = AsyncLLM.start(EngineConfig(model=tiny_llama, **ENGINE), engine_core=core)
         try:
             outs = await run_all(engine)
             assert all(o.finished and o.error is None for o in outs)
@@ -69,7 +69,7 @@ def test_same_outputs_as_offline(tiny_llama, reference, core):
 
 def test_abort_frees_blocks_and_stop_strings_stop_the_core(tiny_llama):
     async def main():
-        engine = AsyncLLM(EngineConfig(model=tiny_llama, **ENGINE), engine_core="thread")
+        engine = AsyncLLM.start(EngineConfig(model=tiny_llama, **ENGINE), engine_core="thread")
         try:
             n = 0
             async for _ in engine.generate("long", [5, 6], SamplingParams(max_tokens=200, ignore_eos=True)):
@@ -104,7 +104,7 @@ async def wait_idle(engine: AsyncLLM, timeout_s: float = 5.0) -> None:
 
 def test_bad_requests_are_refused_before_the_core(tiny_llama):
     async def main():
-        engine = AsyncLLM(EngineConfig(model=tiny_llama, max_model_len=256, num_kv_blocks=4, block_size=16),
+        engine = AsyncLLM.start(EngineConfig(model=tiny_llama, max_model_len=256, num_kv_blocks=4, block_size=16),
                           engine_core="thread")
         try:
             with pytest.raises(ValueError, match="max_model_len"):
@@ -123,7 +123,7 @@ def test_bad_requests_are_refused_before_the_core(tiny_llama):
 
 def test_killed_core_fails_every_pending_request(tiny_llama):
     async def main():
-        engine = AsyncLLM(EngineConfig(model=tiny_llama, **ENGINE))
+        engine = AsyncLLM.start(EngineConfig(model=tiny_llama, **ENGINE))
         pid = engine.client.pid
         try:
             streams = [engine.add_request(f"k{i}", [5, 6 + i], SamplingParams(max_tokens=240, ignore_eos=True))
@@ -153,7 +153,7 @@ def test_hung_core_fails_pending_requests_and_is_killed(tiny_llama, monkeypatch)
 
     async def main():
         config = EngineConfig(model=tiny_llama, worker_cls="hang_worker.HangWorker", rpc_timeout_s=6.0, **ENGINE)
-        engine = AsyncLLM(config, hang_timeout_s=2.0)  # no message for 2 s: frozen
+        engine = AsyncLLM.start(config, hang_timeout_s=2.0)  # no message for 2 s: frozen
         pid = engine.client.pid
         try:
             slow = engine.add_request("slow", [5, 98], SamplingParams(max_tokens=2))  # a 4 s step
@@ -172,7 +172,7 @@ def test_hung_core_fails_pending_requests_and_is_killed(tiny_llama, monkeypatch)
 
 def test_shutdown_ends_live_streams(tiny_llama):
     async def main():
-        engine = AsyncLLM(EngineConfig(model=tiny_llama, **ENGINE))
+        engine = AsyncLLM.start(EngineConfig(model=tiny_llama, **ENGINE))
         pid = engine.client.pid
         stream = engine.add_request("x", [5, 6], SamplingParams(max_tokens=240, ignore_eos=True))
         await stream.__anext__()

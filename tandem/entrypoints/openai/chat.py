@@ -31,7 +31,7 @@ def chat_logprobs(c: CompletionOutput, start: int, end: int, top: int) -> Option
 class ChatServing(OpenAIServing):
     def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         try:
-            return self.engine.input_processor.apply_chat_template(
+            return self.engine.apply_chat_template(
                 [m.as_template_dict() for m in req.messages], req.add_generation_prompt, self.settings.chat_template)
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
@@ -74,7 +74,7 @@ class ChatServing(OpenAIServing):
         return choice
 
     async def _stream(self, request_id: str, n: int, prompt_len: int, streams: list,
-                      options: Optional[StreamOptions], top: int) -> AsyncIterator[str]:
+                      options: Optional[StreamOptions], top: int) -> AsyncIterator[bytes]:
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created(), "model": self.model_name}
         yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                         "finish_reason": None} for i in range(n)]})

@@ -34,7 +34,7 @@ class CompletionServing(OpenAIServing):
     async def create(self, req: CompletionRequest, request: Request) -> Response:
         prompts = req.prompt
         self.check_common(req, len(prompts))
-        ids_list = [self.engine.input_processor.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids_list = [self.engine.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
         params = [self.sampling_params(req, self.max_tokens(req.max_tokens, len(ids), _DEFAULT_MAX_TOKENS),
                                        req.logprobs) for ids in ids_list]
         request_id, streams = self.start("cmpl", ids_list, params)
@@ -63,7 +63,7 @@ class CompletionServing(OpenAIServing):
         return self._choice(index, c, start, end, text, offset)
 
     async def _stream(self, request_id: str, n: int, prompt_lens: list[int], streams: list,
-                      options: Optional[StreamOptions]) -> AsyncIterator[str]:
+                      options: Optional[StreamOptions]) -> AsyncIterator[bytes]:
         head = {"id": request_id, "object": "text_completion", "created": created(), "model": self.model_name}
         async for chunk in self.stream_choices(streams, n, head, self._stream_choice, options, prompt_lens):
             yield chunk
