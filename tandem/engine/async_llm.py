@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Callable, Literal, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
-from tandem.config import EngineConfig, ModelConfig, ModelInfo
+from tandem.config import EngineConfig, ModelInfo
 from tandem.engine.core_client import CoreProcess, EngineCoreClient
 from tandem.engine.input_processor import InputProcessor
 from tandem.engine.messages import CoreInput, CoreStats, EngineDeadError
@@ -113,25 +113,15 @@ class AsyncLLM:
         self._shut_down = False
 
     @classmethod
-    def start(cls, config: EngineConfig, model_config: Optional[ModelConfig] = None, *,
-              engine_core: Literal["process", "thread"] = "process", **kwargs: Any) -> "AsyncLLM":
-        """An ``AsyncLLM`` with a core of its own: in a process (the model is resolved there;
-        ``model_config`` is unused) or, for tests, in a thread of this one (which imports torch)."""
-        if engine_core == "process":
-            core = CoreProcess(config)
-            try:
-                return cls(config, core.connect(0, owner=True), core.model, **kwargs)
-            except BaseException:
-                core.shutdown(timeout_s=0.0)
-                raise
-        if engine_core == "thread":
-            from tandem.engine.engine_core import EngineCore
-            from tandem.engine.inproc_client import InprocEngineCoreClient
-            from tandem.engine.prepare import prepare_model
-
-            model_config = model_config or prepare_model(config)
-            return cls(config, InprocEngineCoreClient(EngineCore(config, model_config)), model_config.info, **kwargs)
-        raise ValueError(f"engine_core must be 'process' or 'thread', got {engine_core!r}")
+    def start(cls, config: EngineConfig, **kwargs: Any) -> "AsyncLLM":
+        """An ``AsyncLLM`` with an engine-core process of its own (the core resolves the model;
+        ``inproc_client.start_inproc`` runs the core in a thread instead, for tests)."""
+        core = CoreProcess(config)
+        try:
+            return cls(config, core.connect(0, owner=True), core.model, **kwargs)
+        except BaseException:
+            core.shutdown(timeout_s=0.0)
+            raise
 
     @property
     def is_running(self) -> bool:

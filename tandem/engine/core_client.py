@@ -32,8 +32,8 @@ from typing import Any, Callable, Optional
 
 from tandem import ipc
 from tandem.config import EngineConfig, ModelInfo
-from tandem.engine.core_process import (CONTROL_ENDPOINT, CORE_ENDPOINT, MODULE, CoreReady, CoreStartup,
-                                        front_endpoint)
+from tandem.engine.core_protocol import (CONTROL_ENDPOINT, CORE_ENDPOINT, MODULE, CoreReady, CoreStartup,
+                                         front_endpoint)
 from tandem.engine.messages import (DEFAULT_HEARTBEAT_S, CoreInput, CoreOutputBatch, EngineDeadError,
                                     EngineStartError)
 

@@ -1,7 +1,8 @@
 """The engine core in its own process: ``python -m tandem.engine.core_process <ipc dir>``.
 
 Started by ``CoreProcess`` (``core_client.py``) through ``tandem.ipc.start_child`` (tandem's
-own entry point, the secret on stdin, stdin kept open as the parent-death pipe). It binds
+own entry point, the secret on stdin, stdin kept open as the parent-death pipe); its
+start-up messages live in ``core_protocol.py``. It binds
 one authenticated ``tandem.ipc.Channel`` at ``core`` in the private directory, and talks to
 its parent (``control``) and to every front end (``front-<i>``) through it. Protocol:
 
@@ -29,37 +30,13 @@ import os
 import signal
 import sys
 import traceback
-from dataclasses import dataclass
 from typing import Optional
 
 from tandem import ipc
-from tandem.config import EngineConfig, ModelInfo
+from tandem.engine.core_protocol import CONTROL_ENDPOINT, CORE_ENDPOINT, CoreReady, CoreStartup, front_endpoint
 from tandem.engine.messages import CoreInput, CoreOutputBatch
 
 logger = logging.getLogger(__name__)
-
-MODULE = "tandem.engine.core_process"
-CORE_ENDPOINT, CONTROL_ENDPOINT = "core", "control"
-
-
-def front_endpoint(client_index: int) -> str:
-    """The endpoint name where front end ``client_index`` receives the core's batches."""
-    return f"front-{client_index}"
-
-
-@dataclass
-class CoreStartup:
-    config: EngineConfig
-    heartbeat_s: float
-
-
-@dataclass
-class CoreReady:
-    num_kv_blocks: int = 0
-    model: Optional[ModelInfo] = None
-    error: Optional[str] = None  # the start failed: why (with the core's traceback unless bad_input)
-    bad_input: bool = False  # the error is the user's (model files, flags): one line, exit status 2
-
 
 def main(argv: list[str]) -> int:
     secret = ipc.read_secret()

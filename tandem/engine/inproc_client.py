@@ -12,8 +12,10 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import Optional
+from typing import Any, Optional
 
+from tandem.config import EngineConfig, ModelConfig
+from tandem.engine.async_llm import AsyncLLM
 from tandem.engine.core_client import EngineCoreClient
 from tandem.engine.core_loop import EngineCoreLoop
 from tandem.engine.engine_core import EngineCore
@@ -100,3 +102,11 @@ class InprocEngineCoreClient(EngineCoreClient):
             logger.error("engine core thread did not stop within %.0f s", timeout_s)
             return
         self.core.shutdown()
+
+
+def start_inproc(config: EngineConfig, model_config: Optional[ModelConfig] = None, **kwargs: Any) -> AsyncLLM:
+    """An ``AsyncLLM`` whose engine core runs in a thread of this process (tests, embedding)."""
+    from tandem.engine.prepare import prepare_model
+
+    model_config = model_config or prepare_model(config)
+    return AsyncLLM(config, InprocEngineCoreClient(EngineCore(config, model_config)), model_config.info, **kwargs)

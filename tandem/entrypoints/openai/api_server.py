@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-import tandem
+from tandem._version import __version__
 from tandem.engine.async_llm import AsyncLLM
 from tandem.engine.messages import EngineDeadError
 from tandem.entrypoints.openai.chat import ChatServing
@@ -72,6 +72,26 @@ class BodyLimitMiddleware:
 
     async def _too_large(self, send: Send) -> None:
         await self._error().response()({"type": "http"}, _no_receive, send)
+
+
+class ServerIndexMiddleware:
+    """``x-tandem-api-server: <i>`` on every response: which API-server process answered
+    (0 when there is one), for debugging a server with several."""
+
+    def __init__(self, app: ASGIApp, index: int) -> None:
+        self.app = app
+        self.header = (b"x-tandem-api-server", str(index).encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def tagged(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                msg["headers"] = [*msg.get("headers", ()), self.header]
+            await send(msg)
+
+        await self.app(scope, receive, tagged)
 
 
 async def _no_receive() -> Message:
@@ -134,8 +154,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: PrometheusStatLogger,
-              lifespan: Optional[Callable[[FastAPI], AsyncContextManager[None]]] = None) -> FastAPI:
-    app = FastAPI(title="tandem", version=tandem.__version__, docs_url=None, redoc_url=None, openapi_url=None,
+              lifespan: Optional[Callable[[FastAPI], AsyncContextManager[None]]] = None,
+              server_index: int = 0) -> FastAPI:
+    app = FastAPI(title="tandem", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
     completions = CompletionServing(engine, settings)
     chat = ChatServing(engine, settings)
@@ -152,7 +173,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: Prometheu
 
     @app.get("/version")
     async def version() -> Response:
-        return JSONResponse({"version": tandem.__version__})
+        return JSONResponse({"version": __version__})
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -197,6 +218,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: Prometheu
         return Response(stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(ServerIndexMiddleware, index=server_index)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     return app
@@ -204,7 +226,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: Prometheu
 
 def serve_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: PrometheusStatLogger, sock: socket.socket, *,
               host: str, port: int, log_level: str, shutdown_timeout_s: float,
-              on_ready: Optional[Callable[[], None]] = None, announce: bool = True) -> int:
+              on_ready: Optional[Callable[[], None]] = None, announce: bool = True, server_index: int = 0) -> int:
     """Serve on the listening ``sock`` until SIGINT/SIGTERM (0) or until the engine core dies
     (1, after its requests got their errors); 1 as well if uvicorn never started. The engine
     is shut down either way."""
@@ -223,7 +245,7 @@ def serve_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: Prometheu
         yield
         await engine.shutdown()
 
-    app = build_app(engine, settings, stat_logger, lifespan=lifespan)
+    app = build_app(engine, settings, stat_logger, lifespan=lifespan, server_index=server_index)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s))
 
     def on_dead(error: str) -> None:  # a half-alive server must not keep running

@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
     try:
         return serve_app(engine, startup.settings, stat_logger, sock, host=startup.host, port=startup.port,
                          log_level=startup.log_level, shutdown_timeout_s=startup.shutdown_timeout_s,
-                         on_ready=ready, announce=False)
+                         on_ready=ready, announce=False, server_index=index)
     finally:
         sock.close()
 
