@@ -207,21 +207,21 @@ class OpenAIServing:
 
     async def stream_choices(self, streams: list[RequestStream], n: int, head: dict[str, Any],
                              choice: ChoiceBuilder, options: Optional[StreamOptions],
-                             prompt_lens: list[int]) -> AsyncIterator[bytes]:
-        """The SSE body both endpoints stream: one chunk per engine output that moved any
-        choice (choice ``i * n + c.index`` for prompt ``i``; with ``continuous_usage_stats``
-        each with the usage so far), then the usage chunk if asked, then ``[DONE]``. An
-        engine error or a server abort ends it with an error event."""
+                             prompt_lens: list[int], prelude: Optional[bytes] = None) -> AsyncIterator[bytes]:
+        """The SSE body both endpoints stream: ``prelude`` (chat's role chunk), then one chunk
+        per engine output that moved any choice (choice ``i * n + c.index`` for prompt ``i``;
+        with ``continuous_usage_stats`` each with the usage so far), then the usage chunk if
+        asked, then ``[DONE]``. An engine error or a server abort ends it with an error
+        event. Leaving early (the client went away: the task is cancelled) aborts the
+        requests. One generator from the engine's outputs to the response: every streamed
+        token passes through it, so no layers of wrapping generators."""
         include_usage = options is not None and options.include_usage
         continuous = options is not None and options.continuous_usage
         prompt_tokens = sum(prompt_lens)
         tracker = ChoiceTracker(len(streams) * n)
         finals: dict[int, RequestOutput] = {}
-        async for i, out in self.merged(streams):
-            if out.error is not None:
-                yield self.error_event(out.error)
-                yield SSE_DONE
-                return
+
+        def chunk_of(i: int, out: RequestOutput) -> Optional[bytes]:
             choices = []
             for c in out.outputs:
                 index = i * n + c.index
@@ -229,32 +229,44 @@ class OpenAIServing:
                 d = tracker.delta(index, c)
                 if d is not None:
                     choices.append(choice(index, c, *d, offset))
-            if choices:
-                chunk = {**head, "choices": choices}
-                if continuous:
-                    done = sum(tracker.tokens_sent)
-                    chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
-                                      "total_tokens": prompt_tokens + done}
-                yield sse(chunk)
             if out.finished:
                 finals[i] = out
-        if len(finals) < len(streams):  # aborted by the server (shutting down): not a normal end
-            yield self.error_event(UNFINISHED)
+            if not choices:
+                return None
+            body = {**head, "choices": choices}
+            if continuous:
+                done = sum(tracker.tokens_sent)
+                body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                                 "total_tokens": prompt_tokens + done}
+            return sse(body)
+
+        try:
+            if prelude is not None:
+                yield prelude
+            single = len(streams) == 1
+            source: Any = streams[0] if single else self.merged(streams)
+            async for item in source:
+                i, out = (0, item) if single else item
+                if out.error is not None:
+                    yield self.error_event(out.error)
+                    yield SSE_DONE
+                    return
+                data = chunk_of(i, out)
+                if data is not None:
+                    yield data
+            if len(finals) < len(streams):  # aborted by the server (shutting down): not a normal end
+                yield self.error_event(UNFINISHED)
+                yield SSE_DONE
+                return
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(prompt_lens, [finals[i] for i in sorted(finals)])})
             yield SSE_DONE
-            return
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(prompt_lens, [finals[i] for i in sorted(finals)])})
-        yield SSE_DONE
+        finally:  # the client went away (the task is cancelled) or the stream ended
+            self.abort(streams)
 
-    def stream_response(self, body: AsyncIterator[bytes], streams: list[RequestStream]) -> StreamingResponse:
-        async def guarded() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in body:
-                    yield chunk
-            finally:  # the client went away (the task is cancelled) or the stream ended
-                self.abort(streams)
-
-        return StreamingResponse(guarded(), media_type="text/event-stream",
+    @staticmethod
+    def stream_response(body: AsyncIterator[bytes]) -> StreamingResponse:
+        return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @staticmethod
