@@ -3,7 +3,8 @@
 ``EngineConfig`` says what the user asked for (a path, ``dtype="auto"``, maybe a
 ``max_model_len``); ``ModelConfig`` is what that resolves to: the HF folder actually
 loaded (a GGUF converted into the cache), the HF config read from it, the concrete dtype
-and device, the context length, the EOS ids, and the ``TANDEM_*`` environment switches.
+and device, the context length, the step limits (the device's defaults where the user gave
+none), the EOS ids, and the ``TANDEM_*`` environment switches.
 It is built by ``tandem.models.model_config.resolve_model_config`` and never re-derived
 below: workers, executors and the scheduler read it instead of loading ``config.json``.
 """
@@ -59,6 +60,8 @@ class ModelConfig:
     device: str  # "cpu" | "cuda" (never "auto")
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    max_num_seqs: int  # most requests in one step
+    max_num_batched_tokens: int  # token budget of one step
     env: EnvSwitches = field(default_factory=EnvSwitches)
 
     @property

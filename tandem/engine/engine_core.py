@@ -64,8 +64,8 @@ class EngineCore:
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=model_config.max_num_seqs,
+            max_num_batched_tokens=model_config.max_num_batched_tokens,
             max_model_len=model_config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
