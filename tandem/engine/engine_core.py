@@ -27,8 +27,8 @@ from typing import Iterable, Optional
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.messages import CoreStats
-from tandem.engine.interrupts import deferred_sigint
 from tandem.executor import Executor, create_executor
+from tandem.interrupts import deferred_interrupts
 from tandem.scheduler.kv_cache import KVCacheManager
 from tandem.scheduler.scheduler import Scheduler
 from tandem.types.engine_output import EngineCoreOutput
@@ -64,8 +64,8 @@ class EngineCore:
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=model_config.max_num_seqs,
+            max_num_batched_tokens=model_config.max_num_batched_tokens,
             max_model_len=model_config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
@@ -78,19 +78,24 @@ class EngineCore:
         self.track_queue_times = False
         self._arrivals: dict[str, float] = {}
         self._queue_times: dict[str, float] = {}
+        # Outputs produced but not returned yet: an interrupt after a step was applied (or
+        # abandoned) defers them to the next ``step()``, it does not lose them.
+        self._undelivered: list[EngineCoreOutput] = []
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
-        if self.track_queue_times:
-            self._arrivals[request.request_id] = time.monotonic()
+        with deferred_interrupts():
+            self.scheduler.add_request(request)
+            if self.track_queue_times:
+                self._arrivals[request.request_id] = time.monotonic()
 
     def abort_requests(self, req_ids: Iterable[str]) -> None:
         req_ids = list(req_ids)
-        self.scheduler.abort_requests(req_ids)
-        for rid in req_ids:
-            self._arrivals.pop(rid, None)
-            self._queue_times.pop(rid, None)
+        with deferred_interrupts():
+            self.scheduler.abort_requests(req_ids)
+            for rid in req_ids:
+                self._arrivals.pop(rid, None)
+                self._queue_times.pop(rid, None)
 
     def make_stats(self, idle_seconds: float = 0.0) -> CoreStats:
         """A snapshot for /metrics."""
@@ -105,30 +110,60 @@ class EngineCore:
         )
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue) or bool(self._undelivered)
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         launched = False
         if len(self.batch_queue) < self.depth and self.scheduler.has_unfinished_requests():
-            with deferred_sigint():  # a scheduled step is always queued (tandem/engine/interrupts.py)
-                so = self.scheduler.schedule()
-                if not so.is_empty:
-                    if self._arrivals:
-                        self._note_first_scheduled(so)
-                    if self.batch_queue:
-                        self.stats.num_launched_ahead += 1
-                    self.batch_queue.append((so, self.executor.execute_model(so)))
-                    self.stats.num_launched += 1
-                    launched = True
+            launched = self._launch_next()
         if self.batch_queue and (not launched or len(self.batch_queue) >= self.depth):
-            return self._complete_oldest()
-        if not launched and self.scheduler.has_unfinished_requests():
+            self._complete_oldest()
+        elif not launched and self.scheduler.has_unfinished_requests():
             raise EngineStallError(
                 f"nothing schedulable and nothing in flight with {len(self.scheduler.requests)} unfinished "
                 f"requests ({self.kv_cache.num_free_blocks}/{self.kv_cache.num_blocks} KV blocks free)"
             )
-        return []
+        outs, self._undelivered = self._undelivered, []
+        return outs
+
+    def _launch_next(self) -> bool:
+        """Schedule a step and queue it launched; False if nothing was schedulable.
+
+        The launch itself stays interruptible (on the CPU it is the whole forward pass). An
+        interrupt (any ``BaseException``) that stops a scheduled step from being queued
+        propagates only after the step is abandoned: its requests fail, their blocks are
+        freed and the worker is told again to drop what the step told it to drop, so the
+        engine is as if the step had never been scheduled.
+        """
+        so: Optional[SchedulerOutput] = None
+        fut: Optional[Future[ModelRunnerOutput]] = None
+        try:
+            with deferred_interrupts():
+                so = self.scheduler.schedule()
+                if so.is_empty:
+                    so = None
+                    return False
+                if self._arrivals:
+                    self._note_first_scheduled(so)
+            fut = self.executor.execute_model(so)
+            with deferred_interrupts():
+                if self.batch_queue:
+                    self.stats.num_launched_ahead += 1
+                self.batch_queue.append((so, fut))
+                self.stats.num_launched += 1
+                so = None
+            return True
+        except BaseException:
+            if so is not None:
+                with deferred_interrupts():
+                    if fut is not None:  # launched, then interrupted: it runs its course
+                        self.batch_queue.append((so, fut))
+                        self.stats.num_launched += 1
+                    else:
+                        self._undelivered += self.scheduler.abandon_step(so, "interrupted while its step was "
+                                                                              "being launched")
+            raise
 
     def _note_first_scheduled(self, so: SchedulerOutput) -> None:
         now = time.monotonic()
@@ -146,20 +181,23 @@ class EngineCore:
                 out.queue_time = t
         return outs
 
-    def _complete_oldest(self) -> list[EngineCoreOutput]:
+    def _complete_oldest(self) -> None:
+        """Wait for the oldest in-flight step and apply it; its outputs join ``_undelivered``,
+        so an interrupt raised after the step was applied loses none of them."""
         so, fut = self.batch_queue[0]
         try:
             result = fut.result()
         except Exception as e:  # the step failed: fail its requests, keep the engine usable
-            with deferred_sigint():
+            with deferred_interrupts():
                 self.batch_queue.popleft()
-                return self._fail_inflight(so, e)
-        # (A KeyboardInterrupt while waiting leaves the step queued: a later call completes it.)
-        with deferred_sigint():
+                self._undelivered += self._fail_inflight(so, e)
+            return
+        # (An interrupt while waiting leaves the step queued: a later call completes it.)
+        with deferred_interrupts():
             self.batch_queue.popleft()
             self.stats.num_completed += 1
             outs = self.scheduler.update_from_output(so, result)
-            return self._attach_queue_times(outs) if self._queue_times else outs
+            self._undelivered += self._attach_queue_times(outs) if self._queue_times else outs
 
     def _fail_inflight(self, so: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
         """Later in-flight steps consumed this step's (missing) tokens: fail them too."""
@@ -178,9 +216,9 @@ class EngineCore:
 
     def drain(self) -> list[EngineCoreOutput]:
         """Complete every in-flight step (used at shutdown and by tests)."""
-        outs: list[EngineCoreOutput] = []
         while self.batch_queue:
-            outs += self._complete_oldest()
+            self._complete_oldest()
+        outs, self._undelivered = self._undelivered, []
         return outs
 
     def shutdown(self) -> None:

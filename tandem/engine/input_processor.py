@@ -98,6 +98,7 @@ class InputProcessor:
             v = getattr(params, name)
             if v is not None and v > self.config.max_logprobs:
                 raise ValueError(f"{name}={v} exceeds max_logprobs={self.config.max_logprobs}")
-        if not self.config.enable_chunked_prefill and len(token_ids) > self.config.max_num_batched_tokens:
+        budget = self.model.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and len(token_ids) > budget:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
-                             f"({self.config.max_num_batched_tokens}) with chunked prefill off")
+                             f"({budget}) with chunked prefill off")

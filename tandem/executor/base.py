@@ -14,6 +14,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, MutableMapping, Optional
 
 from tandem.config import EngineConfig, ModelConfig
+from tandem.interrupts import deferred_interrupts
 from tandem.types.errors import ErrorPayload, ExecutorError, WorkerDiedError, WorkerError, WorkerTimeoutError
 from tandem.types.runner_output import ModelRunnerOutput
 from tandem.types.scheduler_output import SchedulerOutput
@@ -126,8 +127,12 @@ class RemoteExecutor(Executor):
 
     # -- calls -------------------------------------------------------------------------------
     def _call(self, method: str, args: tuple, kwargs: dict) -> RemoteFuture:
-        """Send one call to every rank; raises the failure at once if the executor is broken."""
-        with self._lock:
+        """Send one call to every rank; raises the failure at once if the executor is broken.
+
+        An interrupt is held while the call is numbered and sent: it is raised before the
+        call or after every rank has it, never between ranks or between numbering and
+        sending (which would leave the workers out of step for good)."""
+        with deferred_interrupts(), self._lock:
             self._raise_if_unusable()
             seq = self._next_seq
             self._next_seq += 1

@@ -56,10 +56,13 @@ class UniProcExecutor(Executor):
     def execute_model(self, so: SchedulerOutput) -> "Future[ModelRunnerOutput]":
         try:
             launched = self.worker.execute_model(so)
-        except BaseException as e:  # a launch error is the step's error, raised from its future
+        except Exception as e:  # a launch error is the step's error, raised from its future
             failed: Future = Future()
             failed.set_exception(e)
             return failed
+        # An interrupt (KeyboardInterrupt, SystemExit) is nobody's step error: kept in the
+        # future, every later read of the step would raise it again and the engine could
+        # never run another step. It propagates; the engine abandons the step.
         assert launched is not None, "the only rank is rank 0, which always reports its output"
         return _StepFuture(launched)
 

@@ -347,6 +347,16 @@ class ModelRunner:
     # -- the step ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> AsyncModelOutput:
+        try:
+            return self._execute(so)
+        except BaseException:
+            # Stopped part-way (an error, or an interrupt in the host code): the engine fails
+            # every request of the step and tells us again what to drop, so only what no
+            # request id can reach must be put right here.
+            self.batch.discard_unapplied()
+            raise
+
+    def _execute(self, so: SchedulerOutput) -> AsyncModelOutput:
         plan = self._update_states(so)
         if not plan.num_seqs:  # nothing scheduled (e.g. a call that only primes the pipeline)
             empty = torch.empty(0, dtype=torch.int64, device=self.device)

@@ -19,7 +19,8 @@ VOCAB = 128
 MODEL = ModelConfig(folder="unused", tokenizer="unused",
                     hf_config=SimpleNamespace(vocab_size=VOCAB, num_hidden_layers=1, num_attention_heads=1,
                                               hidden_size=8),
-                    dtype="float32", device="cpu", max_model_len=64, eos_token_ids=(1,))
+                    dtype="float32", device="cpu", max_model_len=64, eos_token_ids=(1,), max_num_seqs=64,
+                    max_num_batched_tokens=2048)
 
 
 @pytest.fixture(scope="module")
