@@ -34,7 +34,8 @@ class CompletionServing(OpenAIServing):
     async def create(self, req: CompletionRequest, request: Request) -> Response:
         prompts = req.prompt
         self.check_common(req, len(prompts))
-        ids_list = [self.engine.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids_list = [self.engine.tokenize(p, req.add_special_tokens) if isinstance(p, str) else list(p)
+                    for p in prompts]
         params = [self.sampling_params(req, self.max_tokens(req.max_tokens, len(ids), _DEFAULT_MAX_TOKENS),
                                        req.logprobs) for ids in ids_list]
         request_id, streams = self.start("cmpl", ids_list, params)

@@ -61,10 +61,16 @@ async def wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def usage(prompt_lens: Sequence[int], outputs: Sequence[RequestOutput]) -> dict[str, int]:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens found in the prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def usage(prompt_lens: Sequence[int], outputs: Sequence[RequestOutput]) -> dict[str, Any]:
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    prompt = sum(prompt_lens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return usage_body(sum(prompt_lens), completion, sum(o.num_cached_tokens for o in outputs))
 
 
 class OpenAIServing:
@@ -114,7 +120,7 @@ class OpenAIServing:
             stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             stop_token_ids=list(req.stop_token_ids or []), logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-            logit_bias=req.logit_bias or None,
+            spaces_between_special_tokens=req.spaces_between_special_tokens, logit_bias=req.logit_bias or None,
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -220,8 +226,10 @@ class OpenAIServing:
         prompt_tokens = sum(prompt_lens)
         tracker = ChoiceTracker(len(streams) * n)
         finals: dict[int, RequestOutput] = {}
+        cached = [0] * len(streams)  # each prompt's prefix-cache hit, known from its first output on
 
         def chunk_of(i: int, out: RequestOutput) -> Optional[bytes]:
+            cached[i] = out.num_cached_tokens
             choices = []
             for c in out.outputs:
                 index = i * n + c.index
@@ -235,9 +243,7 @@ class OpenAIServing:
                 return None
             body = {**head, "choices": choices}
             if continuous:
-                done = sum(tracker.tokens_sent)
-                body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
-                                 "total_tokens": prompt_tokens + done}
+                body["usage"] = usage_body(prompt_tokens, sum(tracker.tokens_sent), sum(cached))
             return sse(body)
 
         try:
