@@ -68,8 +68,18 @@ def offline(folder: str, args: argparse.Namespace, engine: dict[str, Any], round
             runs.append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
             log(f"offline {engine.get('max_num_seqs', 'default')}: round {r + 1} {runs[-1]:.0f} tok/s")
         resolved = {k: getattr(llm.engine.model_config, k) for k in ("max_num_seqs", "max_num_batched_tokens")}
+    del llm
     free_cuda()
+    left = torch_reserved_gib()
+    if left > 1.0:  # the served runs that follow would get a smaller KV cache than the offline one
+        log(f"warning: {left:.1f} GiB of device memory still reserved after the offline engine shut down")
     return {"tok_per_s": statistics.median(runs), "rounds": runs, "engine": engine, "resolved": resolved}
+
+
+def torch_reserved_gib() -> float:
+    import torch
+
+    return torch.cuda.memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0
 
 
 # -- served ------------------------------------------------------------------------------
@@ -236,7 +246,7 @@ def main() -> int:
         result["offline_tuned"] = offline(folder, args, ENGINE, args.offline_rounds)
         if not args.skip_default_config:
             default = {k: v for k, v in ENGINE.items() if k not in ("max_num_seqs", "max_num_batched_tokens")}
-            result["offline_default"] = offline(folder, args, default, 1)
+            result["offline_default"] = offline(folder, args, default, args.offline_rounds)
         result["served"] = []
         for count in args.api_server_counts.split(","):
             try:

@@ -116,9 +116,19 @@ class Worker:
         return os.getpid()
 
     def shutdown(self) -> None:
+        """Leave the tensor-parallel group and give the device memory back: the weights, the
+        KV cache and the graphs go with the runner, and the caching allocator's reserve is
+        emptied, so a process that outlives its ``LLM`` (a benchmark, a notebook) can start
+        another engine or let another process use the GPU."""
         from tandem.distributed import destroy_tensor_parallel
 
         destroy_tensor_parallel()
+        if self.device.type == "cuda" and hasattr(self, "runner"):
+            import gc
+
+            del self.runner, self.model
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 def resolve_worker_class(path: str) -> type:
