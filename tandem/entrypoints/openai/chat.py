@@ -29,6 +29,8 @@ def chat_logprobs(c: CompletionOutput, start: int, end: int, top: int) -> Option
 
 
 class ChatServing(OpenAIServing):
+    PARAM_NAMES = {"prompt": "messages", "logprobs": "top_logprobs"}
+
     def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         try:
             return self.engine.input_processor.apply_chat_template(
