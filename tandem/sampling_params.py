@@ -98,6 +98,9 @@ class SamplingParams(StrictModel):
                                                                    "most likely tokens at each prompt position")
     include_stop_str_in_output: bool = Field(False, description="keep the matched stop string in the output text")
     skip_special_tokens: bool = Field(True, description="leave special tokens out of the output text")
+    spaces_between_special_tokens: bool = Field(
+        True, description="put spaces between special tokens in the output text (slow tokenizers only: fast "
+                          "ones, like Hugging Face's, decode special tokens as written)")
     detokenize: bool = Field(True, description="decode the output into text (off: token ids only)")
     logit_bias: Optional[dict[int, float]] = Field(
         None, description="token id -> value in [-100, 100] added to that token's logit before sampling "

@@ -50,6 +50,22 @@ class EnvSwitches:
 
 
 @dataclass(frozen=True)
+class ModelInfo:
+    """What the front end needs of the model (tokenizer, limits, EOS ids): plain data, so an
+    API-server process learns it from the engine core without importing torch or the
+    transformers model code that a ``ModelConfig``'s ``hf_config`` needs."""
+
+    folder: str
+    tokenizer: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    device: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Everything about the model that the layers below the front end need (see module doc)."""
 
@@ -63,6 +79,11 @@ class ModelConfig:
     max_num_seqs: int  # most requests in one step
     max_num_batched_tokens: int  # token budget of one step
     env: EnvSwitches = field(default_factory=EnvSwitches)
+
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(self.folder, self.tokenizer, self.max_model_len, self.vocab_size, self.eos_token_ids,
+                         self.device, self.max_num_seqs, self.max_num_batched_tokens)
 
     @property
     def architecture(self) -> str:

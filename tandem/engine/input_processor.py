@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from tandem.config import EngineConfig, ModelConfig
+from tandem.config import EngineConfig, ModelInfo
 from tandem.engine.messages import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
 from tandem.validation import ParamError
@@ -70,12 +70,12 @@ def child_request_id(request_id: str, n: int, index: int) -> str:
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any) -> None:
+    def __init__(self, config: EngineConfig, model: ModelInfo, tokenizer: Any) -> None:
         self.config = config
-        self.model_config = model_config
+        self.model = model
         self.tokenizer = tokenizer
-        self.max_model_len = model_config.max_model_len
-        self.eos_token_ids = list(model_config.eos_token_ids)
+        self.max_model_len = model.max_model_len
+        self.eos_token_ids = list(model.eos_token_ids)
         # Set once the core reports its cache size: a request that could never fit is refused
         # here instead of failing inside the core.
         self.num_kv_blocks: Optional[int] = None
@@ -84,14 +84,23 @@ class InputProcessor:
         return self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            chat_template: Optional[str] = None) -> list[int]:
-        """Token ids of a conversation, through the tokenizer's template (or ``chat_template``)."""
+                            chat_template: Optional[str] = None, *, continue_final_message: bool = False,
+                            add_special_tokens: bool = False, documents: Optional[list[dict[str, str]]] = None,
+                            template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+        """Token ids of a conversation, through the tokenizer's template (or ``chat_template``).
+
+        ``continue_final_message``: the prompt ends inside the last message (no end-of-turn,
+        no generation prompt), so the model continues it. ``add_special_tokens``: tokens such
+        as BOS are added on top of what the template writes (templates usually write them).
+        ``documents`` and ``template_kwargs`` become variables of the template, which may use
+        or ignore them."""
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; give one (--chat-template) "
                              "or send plain prompts")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False, chat_template=chat_template)
-        return self.tokenize(text, add_special_tokens=False)
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            documents=documents, tokenize=False, chat_template=chat_template, **(template_kwargs or {}))
+        return self.tokenize(text, add_special_tokens=add_special_tokens)
 
     def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> ProcessedRequest:
         text = prompt if isinstance(prompt, str) else None
@@ -117,7 +126,7 @@ class InputProcessor:
         """Refuse what cannot run (``ParamError`` naming the parameter); returns the output budget."""
         if not token_ids:
             raise ParamError("the prompt is empty: give at least one token", "prompt")
-        vocab = self.model_config.vocab_size
+        vocab = self.model.vocab_size
         if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in token_ids):
             raise ParamError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         max_tokens = output_budget(self.max_model_len, len(token_ids), default=params.max_tokens)
@@ -130,7 +139,7 @@ class InputProcessor:
             v = getattr(params, name)
             if v is not None and v > self.config.max_logprobs:
                 raise ParamError(f"{name}={v} exceeds max_logprobs={self.config.max_logprobs}", name)
-        budget = self.model_config.max_num_batched_tokens
+        budget = self.model.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and len(token_ids) > budget:
             raise ParamError(f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
                              f"({budget}) with chunked prefill off", "prompt")

@@ -18,6 +18,9 @@ class FinishedRequestStats:
     e2e_latency: float
     num_prompt_tokens: int
     num_generation_tokens: int
+    # Seconds from the first to the last token over the tokens after the first (vLLM's
+    # mean_time_per_output_token); 0 with fewer than two tokens.
+    time_per_output_token: float = 0.0
 
 
 @dataclass
@@ -28,6 +31,7 @@ class IterationStats:
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
+    queue_times: list[float] = field(default_factory=list)  # seconds each newly scheduled request waited
     finished: list[FinishedRequestStats] = field(default_factory=list)
 
 

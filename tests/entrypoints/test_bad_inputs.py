@@ -43,7 +43,8 @@ class Case:
     must: str  # words the message must contain
     argv: Optional[list[str]] = None  # CLI cases
     code: Optional[str] = None  # API cases (run exactly as shown)
-    setup: set[str] = field(default_factory=set)  # "no_cuda", "default_model", "process", "sigint"
+    setup: set[str] = field(default_factory=set)  # "no_cuda", "default_model", "process", "sigint", "serve"
+    http: Optional[tuple[str, dict[str, Any], Optional[str]]] = None  # HTTP cases: (path, body, param)
 
 
 def cli_case(what: str, must: str, *argv: str, setup: tuple[str, ...] = ()) -> Case:
@@ -54,6 +55,14 @@ def api_case(code: str, must: str, setup: tuple[str, ...] = ()) -> Case:
     return Case(code, must, code=code, setup=set(setup))
 
 
+def http_case(what: str, must: str, path: str, body: dict[str, Any], param: Optional[str]) -> Case:
+    """A request to the real server (``tandem serve`` on the tiny model with a test chat
+    template): a 400 whose OpenAI error body names ``param``."""
+    return Case(what, must, http=(path, body, param))
+
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "t5"}]
 LONG = " ".join(["t5"] * 10)
 CASES = [
     # -- prompts ---------------------------------------------------------------------------------
@@ -106,6 +115,13 @@ CASES = [
     cli_case("--executor uniproc with 2 ranks", "uniproc executor runs one rank", *TINY, "--executor", "uniproc",
              "--tensor-parallel-size", "2"),
     cli_case("misspelt flag", "did you mean '--max-num-seqs'", *TINY, "--max-num-seq", "3"),
+    # -- server flags (tandem serve) -------------------------------------------------------------
+    cli_case("--api-server-count 0", "--api-server-count must be >= 1", *TINY, "--api-server-count", "0",
+             setup=("serve",)),
+    cli_case("--api-server-count -1", "--api-server-count must be >= 1", *TINY, "--api-server-count", "-1",
+             setup=("serve",)),
+    cli_case("--api-server-count not a number", "--api-server-count must be a whole number >= 1 or 'auto'", *TINY,
+             "--api-server-count", "x", setup=("serve",)),
     # -- sampling flags --------------------------------------------------------------------------
     cli_case("--temperature nan", "temperature must be a finite number", *TINY, "--temperature", "nan"),
     cli_case("--top-p inf", "top_p must be a finite number", *TINY, "--top-p", "inf"),
@@ -224,6 +240,41 @@ CASES = [
     api_case("LLM(tiny, max_model_len=100000)", "exceeds the model's context length"),
     api_case("LLM(tiny, tensor_parallel_size=3)", "does not fit this model"),
     api_case('EngineConfig(max_num_seqs="8")', "max_num_seqs must be an integer, got str"),
+    # -- the server (`tandem serve`): fields OpenAI or vLLM define that would change the output --
+    http_case("a misspelt field", "Unrecognized request argument supplied: stor", CHAT,
+              {"messages": MSG, "stor": True}, "stor"),
+    http_case("use_beam_search: true", "beam search is not implemented", C,
+              {"prompt": "t5", "use_beam_search": True}, "use_beam_search"),
+    http_case("length_penalty other than 1", "beam search is not implemented", C,
+              {"prompt": "t5", "length_penalty": 0.5}, "length_penalty"),
+    http_case("priority other than 0", "first come, first served", CHAT, {"messages": MSG, "priority": 1},
+              "priority"),
+    http_case("cache_salt", "cannot be salted", C, {"prompt": "t5", "cache_salt": "s3cret"}, "cache_salt"),
+    http_case("truncate_prompt_tokens", "never truncated", C, {"prompt": "t5 t6", "truncate_prompt_tokens": 1},
+              "truncate_prompt_tokens"),
+    http_case("allowed_token_ids", "logit_bias -100 bans tokens", CHAT,
+              {"messages": MSG, "allowed_token_ids": [5]}, "allowed_token_ids"),
+    http_case("bad_words", "not implemented", C, {"prompt": "t5", "bad_words": ["t6"]}, "bad_words"),
+    http_case("thinking_token_budget", "not implemented", CHAT, {"messages": MSG, "thinking_token_budget": 64},
+              "thinking_token_budget"),
+    http_case("return_token_ids: true", "not implemented", C, {"prompt": "t5", "return_token_ids": True},
+              "return_token_ids"),
+    http_case("a per-request chat_template", "--chat-template", CHAT,
+              {"messages": MSG, "chat_template": "{{ messages }}"}, "chat_template"),
+    http_case('modalities: ["audio"]', "text only", CHAT, {"messages": MSG, "modalities": ["text", "audio"]},
+              "modalities"),
+    http_case("verbosity", "not implemented", CHAT, {"messages": MSG, "verbosity": "low"}, "verbosity"),
+    http_case("continue_final_message with add_generation_prompt: true", "not both", CHAT,
+              {"messages": MSG + [{"role": "assistant", "content": "t6"}], "continue_final_message": True,
+               "add_generation_prompt": True}, "continue_final_message"),
+    http_case("chat_template_kwargs that set the template call's own arguments", "cannot set 'tokenize'", CHAT,
+              {"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    http_case('reasoning_effort: "extreme"', "Input should be 'none', 'minimal'", CHAT,
+              {"messages": MSG, "reasoning_effort": "extreme"}, "reasoning_effort"),
+    http_case("an ignored field of the wrong type (metadata values are strings)", "valid string", CHAT,
+              {"messages": MSG, "metadata": {"run": 1}}, "metadata.run"),
+    http_case("stream_interval 0", "greater than or equal to 1", C, {"prompt": "t5", "stream_interval": 0},
+              "stream_interval"),
 ]
 RESULTS: dict[str, tuple[str, str]] = {}  # case id -> (result, message)
 
@@ -288,8 +339,8 @@ def _setup(case: Case, monkeypatch, tmp_path: Path) -> None:
             pytest.skip(str(e))
 
 
-def _run_in_process(argv: list[str], capsys) -> tuple[int, str]:
-    rc = cli.main(["generate", "--quiet", *argv])
+def _run_in_process(argv: list[str], capsys, command: str = "generate") -> tuple[int, str]:
+    rc = cli.main([command, *argv] if command == "serve" else [command, "--quiet", *argv])
     return rc, capsys.readouterr().err
 
 
@@ -317,7 +368,7 @@ def test_cli_case(case, files, capsys, monkeypatch, tmp_path):
     if "process" in case.setup:
         rc, err = _run_process(argv, "sigint" in case.setup)
     else:
-        rc, err = _run_in_process(argv, capsys)
+        rc, err = _run_in_process(argv, capsys, "serve" if "serve" in case.setup else "generate")
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.strip() and "Processed prompts" not in line]
     errors = [line for line in lines if line.startswith("error: ")]
@@ -338,6 +389,37 @@ def test_api_case(case, files, llms, monkeypatch, tmp_path):
     message = str(ei.value)
     assert "\n" not in message and case.must in message, message
     RESULTS[case_id(case)] = (type(ei.value).__name__, message)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    """``tandem serve`` on the tiny model, with the test chat template (tests/server/server_utils.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+    from server_utils import ServerProcess
+
+    s = ServerProcess(tiny_llama, "--max-model-len", "512", "--num-kv-blocks", "64",
+                      tmp=tmp_path_factory.mktemp("bad_inputs_server"))
+    yield s
+    assert s.stop(signal.SIGTERM) == 0, s.log.read_text()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.http is not None], ids=case_id)
+def test_http_case(case, server):
+    import httpx
+
+    path, body, param = case.http
+    r = httpx.post(server.url + path, json={"max_tokens": 2, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and case.must in err["message"] and "\n" not in err["message"], err
+    RESULTS[case_id(case)] = (f"400 (param {param})", err["message"])
+
+
+def test_server_still_answers_after_the_http_cases(server):
+    import httpx
+
+    r = httpx.post(f"{server.url}{CHAT}", json={"messages": MSG, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
 
 
 def test_llms_still_answer_after_the_api_cases(llms):
@@ -374,12 +456,15 @@ def render(files: dict[str, str]) -> str:
     for i, case in enumerate(CASES, 1):
         result, message = RESULTS[case_id(case)]
         if case.argv is not None:
-            where = "CLI (process)" if "process" in case.setup else "CLI"
+            where = "CLI (process)" if "process" in case.setup else "`tandem serve`" if "serve" in case.setup else "CLI"
             argv = case.argv[len(TINY):] if case.argv[:len(TINY)] == TINY else case.argv
             shown = f"{case.what}: `{_shell(argv)}`"
+        elif case.http is not None:
+            path, body, _ = case.http
+            where, shown = "HTTP", f"{case.what}: `POST {path} {json.dumps(body)}`"
         else:
             where, shown = "API", f"`{case.what}`"
-        if result not in ("ValueError", "TypeError") and not result.startswith("exit"):
+        if result not in ("ValueError", "TypeError") and not result.startswith(("exit", "400")):
             result += " (a ValueError)"
         rows.append(f"| {i} | {where} | {_cell(shown)} | {result} | {_cell(_normalize(message, files))} |")
     return "\n".join([
@@ -391,19 +476,61 @@ def render(files: dict[str, str]) -> str:
         "still answers afterwards, and that each message names the problem. Regenerate with",
         "`TANDEM_REGEN_DOCS=1 python3 -m pytest -q tests/entrypoints/test_bad_inputs.py`.",
         "",
-        "CLI inputs are the flags after `tandem generate --quiet`, preceded by",
+        "CLI inputs are the flags after `tandem generate --quiet` (`tandem serve` where the table says so),",
+        "preceded by",
         "`--model <tiny-model> --num-kv-blocks 256` unless the case gives its own model flags.",
         "`<tiny-model>` is a tiny random Llama (word tokenizer `t0`..`t127`, context 512, no chat",
         "template); without `--model` the embedded SmolLM2-135M-Instruct is used.",
         "In the API cases `llm` is `LLM(<tiny-model>, block_size=4,",
         "num_kv_blocks=64, max_model_len=64)` and `small_cache_llm` the same with `num_kv_blocks=4`.",
         "`--debug` (or `--log-level debug`) adds the traceback to any CLI error.",
+        "HTTP cases are sent to `tandem serve <tiny-model>` (with a test chat template); each gets a",
+        "400 whose OpenAI error body names the field in `param`.",
         "",
         "| # | Where | Input | Result | Message |",
         "|---|---|---|---|---|",
         *rows,
         "",
+        *_server_fields_section(),
     ])
+
+
+def _server_fields_section() -> list[str]:
+    """What the server still refuses, and what it accepts but ignores, from protocol.py's tables."""
+    from tandem.entrypoints.openai import protocol as p
+
+    def names(endpoint: str) -> set[str]:
+        return set(p.UNSUPPORTED[endpoint])
+
+    refused = []
+    for name in sorted(names("completions") | names("chat")):
+        where = ("both" if name in names("completions") and name in names("chat")
+                 else "completions" if name in names("completions") else "chat")
+        harmless = ", ".join(["null", *(f"`{json.dumps(v)}`" for v in p._HARMLESS.get(name, ()))])
+        refused.append(f"| `{name}` | {where} | {p.WHY_UNSUPPORTED.get(name, 'not supported')} | {harmless} |")
+    ignored = {**p.ChatCompletionRequest.IGNORED, **p.CompletionRequest.IGNORED,
+               **{f"messages[].content[].{k}": v for k, v in p.TextPart.IGNORED.items()},
+               **{f"stream_options.{k}": v for k, v in p.StreamOptions.IGNORED.items()}}
+    return [
+        "## Request fields the server refuses or ignores",
+        "",
+        "A field that neither OpenAI nor vLLM defines on an endpoint is refused by name (a typo must",
+        "not pass silently). Of the fields they define, these are refused, because honouring them",
+        "would change the output and tandem cannot; a value that asks for nothing (last column) is",
+        "accepted and dropped. `null` for `n`, `stream`, `logprobs` and `echo` means their default.",
+        "",
+        "| Field | Endpoint | Why | Accepted values |",
+        "|---|---|---|---|",
+        *refused,
+        "",
+        "These are accepted, type-checked and ignored, because they change nothing tandem generates;",
+        "the server logs a warning the first time it sees each one:",
+        "",
+        "| Field | Why it changes nothing |",
+        "|---|---|",
+        *(f"| `{name}` | {why} |" for name, why in sorted(ignored.items())),
+        "",
+    ]
 
 
 def test_doc_is_up_to_date(files):

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.timeout(120)
 DEFAULTS = dict(
     n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, frequency_penalty=0.0,
     presence_penalty=0.0, seed=None, max_tokens=16, min_tokens=0, stop=[], stop_token_ids=[], ignore_eos=False,
-    logprobs=None, prompt_logprobs=None, include_stop_str_in_output=False, skip_special_tokens=True, detokenize=True,
+    logprobs=None, prompt_logprobs=None, include_stop_str_in_output=False, skip_special_tokens=True,
+    spaces_between_special_tokens=True, detokenize=True,
     logit_bias=None, structured_outputs=None,
 )
 FLOAT_FIELDS = ["temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"]

@@ -7,7 +7,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tandem.entrypoints.openai.errors import bad_request
-from tandem.entrypoints.openai.protocol import ChatCompletionRequest, StreamOptions
+from tandem.entrypoints.openai.protocol import (TEMPLATE_CALL_ARGS, ChatCompletionRequest, ChatMessage,
+                                                ChatTemplateFields, StreamOptions)
 from tandem.entrypoints.openai.serving import ChoiceBuilder, OpenAIServing, created, sse, usage
 from tandem.outputs import CompletionOutput, Logprob
 
@@ -28,13 +29,33 @@ def chat_logprobs(c: CompletionOutput, start: int, end: int, top: int) -> Option
     return {"content": content}
 
 
+def _generation_prompt(req: ChatTemplateFields) -> bool:
+    """``add_generation_prompt``, whose default depends on ``continue_final_message`` (as in vLLM)."""
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise bad_request("give continue_final_message or add_generation_prompt, not both: a continued "
+                              "message cannot be followed by a new turn", "continue_final_message")
+        return False
+    return True if req.add_generation_prompt is None else req.add_generation_prompt
+
+
 class ChatServing(OpenAIServing):
     PARAM_NAMES = {"prompt": "messages", "logprobs": "top_logprobs"}
 
-    def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def prompt_ids(self, req: ChatTemplateFields, messages: list[ChatMessage]) -> list[int]:
+        """Token ids of ``messages`` through the chat template, as ``req``'s template fields ask."""
+        add_generation_prompt = _generation_prompt(req)
+        reserved = sorted(TEMPLATE_CALL_ARGS & (req.chat_template_kwargs or {}).keys())
+        if reserved:
+            field = reserved[0] in type(req).model_fields
+            raise bad_request(f"chat_template_kwargs cannot set {reserved[0]!r}: it is an argument of the template "
+                              "call itself" + (f"; give it as the request field '{reserved[0]}'" if field else ""),
+                              "chat_template_kwargs")
         try:
-            return self.engine.input_processor.apply_chat_template(
-                [m.as_template_dict() for m in req.messages], req.add_generation_prompt, self.settings.chat_template)
+            return self.engine.apply_chat_template(
+                [m.as_template_dict() for m in messages], add_generation_prompt, self.settings.chat_template,
+                continue_final_message=req.continue_final_message, add_special_tokens=bool(req.add_special_tokens),
+                documents=req.documents, template_kwargs=req.template_kwargs())
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         except Exception as e:  # a template error (jinja) is the request's or the template's fault
@@ -48,7 +69,7 @@ class ChatServing(OpenAIServing):
                 and req.max_tokens != req.max_completion_tokens:
             raise bad_request("give max_completion_tokens or max_tokens, not two different values",
                               "max_completion_tokens")
-        ids = self.prompt_ids(req)
+        ids = self.prompt_ids(req, req.messages)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(requested, len(ids), None, param)
@@ -57,7 +78,7 @@ class ChatServing(OpenAIServing):
         request_id, streams = self.start("chatcmpl", [ids], [params])
         if req.stream:
             return self.stream_response(self._stream(request_id, req.n, len(ids), streams, req.stream_options,
-                                                     top), streams)
+                                                     top))
         outputs = await self.collect(request, streams)
         if isinstance(outputs, Response):
             return outputs  # the client left, or a request failed in the engine
@@ -75,10 +96,9 @@ class ChatServing(OpenAIServing):
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         return choice
 
-    async def _stream(self, request_id: str, n: int, prompt_len: int, streams: list,
-                      options: Optional[StreamOptions], top: int) -> AsyncIterator[str]:
+    def _stream(self, request_id: str, n: int, prompt_len: int, streams: list,
+                options: Optional[StreamOptions], top: int) -> AsyncIterator[bytes]:
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created(), "model": self.model_name}
-        yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                        "finish_reason": None} for i in range(n)]})
-        async for chunk in self.stream_choices(streams, n, head, self._stream_choice(top), options, [prompt_len]):
-            yield chunk
+        role = sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                         "finish_reason": None} for i in range(n)]})
+        return self.stream_choices(streams, n, head, self._stream_choice(top), options, [prompt_len], prelude=role)

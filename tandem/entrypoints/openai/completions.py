@@ -34,14 +34,14 @@ class CompletionServing(OpenAIServing):
     async def create(self, req: CompletionRequest, request: Request) -> Response:
         prompts = req.prompt
         self.check_common(req, len(prompts))
-        ids_list = [self.engine.input_processor.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids_list = [self.engine.tokenize(p, req.add_special_tokens) if isinstance(p, str) else list(p)
+                    for p in prompts]
         params = [self.sampling_params(req, self.max_tokens(req.max_tokens, len(ids), _DEFAULT_MAX_TOKENS),
                                        req.logprobs) for ids in ids_list]
         request_id, streams = self.start("cmpl", ids_list, params)
         prompt_lens = [len(ids) for ids in ids_list]
         if req.stream:
-            return self.stream_response(self._stream(request_id, req.n, prompt_lens, streams, req.stream_options),
-                                        streams)
+            return self.stream_response(self._stream(request_id, req.n, prompt_lens, streams, req.stream_options))
         outputs = await self.collect(request, streams)
         if isinstance(outputs, Response):
             return outputs  # the client left, or a request failed in the engine
@@ -62,8 +62,7 @@ class CompletionServing(OpenAIServing):
                        offset: int) -> dict[str, Any]:
         return self._choice(index, c, start, end, text, offset)
 
-    async def _stream(self, request_id: str, n: int, prompt_lens: list[int], streams: list,
-                      options: Optional[StreamOptions]) -> AsyncIterator[str]:
+    def _stream(self, request_id: str, n: int, prompt_lens: list[int], streams: list,
+                options: Optional[StreamOptions]) -> AsyncIterator[bytes]:
         head = {"id": request_id, "object": "text_completion", "created": created(), "model": self.model_name}
-        async for chunk in self.stream_choices(streams, n, head, self._stream_choice, options, prompt_lens):
-            yield chunk
+        return self.stream_choices(streams, n, head, self._stream_choice, options, prompt_lens)
