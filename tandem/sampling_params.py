@@ -10,7 +10,7 @@ from typing import Annotated, Any, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from tandem.validation import INT64_MAX, INT64_MIN, StrictModel, show
+from tandem.validation import INT64_MAX, INT64_MIN, ParamError, StrictModel, show
 
 _GREEDY_EPS = 1e-5
 
@@ -178,7 +178,7 @@ class SamplingParams(StrictModel):
     @model_validator(mode="after")
     def _min_le_max(self) -> "SamplingParams":
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            raise ParamError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens")
         return self
 
     @property

@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence
 from tandem.config import EngineConfig, ModelInfo
 from tandem.engine.messages import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
+from tandem.validation import ParamError
 
 # The child seed of a seeded n > 1 request: distinct per child, fixed per (seed, index).
 _CHILD_SEED_STRIDE = 1_000_003
@@ -26,6 +27,42 @@ class ProcessedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     core_requests: list[EngineCoreRequest]
+
+
+class ContextLengthError(ParamError):
+    """The prompt leaves no room for an output token, or the prompt plus an explicitly
+    requested output (``requested``) exceed the context (``limit``). The numbers travel
+    with it, so a server can word the refusal its own way (OpenAI's context_length_exceeded)."""
+
+    def __init__(self, limit: int, num_prompt_tokens: int, requested: Optional[int] = None) -> None:
+        self.limit = limit
+        self.num_prompt_tokens = num_prompt_tokens
+        self.requested = requested
+        if requested is None:
+            super().__init__(f"the prompt has {num_prompt_tokens} tokens, but max_model_len is {limit}: it must "
+                             "leave room for at least one generated token", "prompt")
+        else:
+            super().__init__(f"the prompt ({num_prompt_tokens} tokens) and max_tokens ({requested}) exceed "
+                             f"max_model_len ({limit})", "max_tokens")
+
+
+def output_budget(limit: int, num_prompt_tokens: int, requested: Optional[int] = None,
+                  default: Optional[int] = None) -> int:
+    """How many tokens a request may generate in a context of ``limit`` tokens: the one place
+    ``max_tokens`` is checked against the context.
+
+    A prompt that leaves no room is refused. An explicit ``requested`` budget must fit
+    (OpenAI refuses one that does not); a ``default`` is cut to the room left (the offline
+    engine's ``max_tokens``, like vLLM's); with neither, the budget is all the room left.
+    Raises ``ContextLengthError``."""
+    room = limit - num_prompt_tokens
+    if room < 1:
+        raise ContextLengthError(limit, num_prompt_tokens)
+    if requested is not None:
+        if requested > room:
+            raise ContextLengthError(limit, num_prompt_tokens, requested)
+        return requested
+    return room if default is None else min(default, room)
 
 
 def child_request_id(request_id: str, n: int, index: int) -> str:
@@ -68,9 +105,7 @@ class InputProcessor:
     def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> ProcessedRequest:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(token_ids, params)
-        room = self.max_model_len - len(token_ids)
-        max_tokens = min(params.max_tokens or room, room)
+        max_tokens = self._check_prompt(token_ids, params)
         if self.num_kv_blocks is not None:
             bs = self.config.block_size
             need = (len(token_ids) + max_tokens + bs - 1) // bs
@@ -87,26 +122,25 @@ class InputProcessor:
                                                self.eos_token_ids, max_tokens, seed))
         return ProcessedRequest(request_id, text, token_ids, params, core_reqs)
 
-    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> int:
+        """Refuse what cannot run (``ParamError`` naming the parameter); returns the output budget."""
         if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise ParamError("the prompt is empty: give at least one token", "prompt")
         vocab = self.model.vocab_size
         if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
-                "it must leave room for at least one generated token"
-            )
+            raise ParamError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        max_tokens = output_budget(self.max_model_len, len(token_ids), default=params.max_tokens)
         if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
+            raise ParamError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}",
+                             "logit_bias")
         if params.structured_outputs is not None:  # until the grammar backend lands (issue 18)
-            raise ValueError("structured_outputs is not supported by this engine yet")
+            raise ParamError("structured_outputs is not supported by this engine yet", "structured_outputs")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
             if v is not None and v > self.config.max_logprobs:
-                raise ValueError(f"{name}={v} exceeds max_logprobs={self.config.max_logprobs}")
+                raise ParamError(f"{name}={v} exceeds max_logprobs={self.config.max_logprobs}", name)
         budget = self.model.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and len(token_ids) > budget:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
-                             f"({budget}) with chunked prefill off")
+            raise ParamError(f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
+                             f"({budget}) with chunked prefill off", "prompt")
+        return max_tokens

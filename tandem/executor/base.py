@@ -3,7 +3,10 @@
 ``execute_model`` never blocks on the step's results: it returns a future, so the engine
 can schedule and launch step N+1 before reading step N. Contract for every executor:
 every call gets exactly one reply, in call order; a worker error is raised from that
-call's future (never swallowed, never turned into a hang).
+call's future (never swallowed, never turned into a hang). An interrupt (a
+``BaseException`` that is not an ``Exception``: Ctrl-C, a signal handler's exception) is
+nobody's step error: it propagates from ``execute_model`` itself, and the engine abandons
+the step (``EngineCore._launch_next``).
 """
 from __future__ import annotations
 

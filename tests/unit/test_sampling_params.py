@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem import SamplingParams
-from tandem.validation import InvalidValuesError
+from tandem.validation import InvalidValuesError, ParamError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -180,3 +180,19 @@ def test_logit_bias_takes_openai_string_keys_and_checks_ranges():
             SamplingParams(logit_bias=bad)
     sp = SamplingParams(logit_bias={"5": 1})
     assert SamplingParams.model_validate(sp.model_dump()) == sp
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(logit_bias={5: 500}), "logit_bias"),
+    (dict(stop_token_ids=[3, -1]), "stop_token_ids[1]"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(temperature=-1, top_p=2), "temperature"),
+    (dict(bogus=1), "bogus"),
+    (dict(structured_outputs={"json": {}, "regex": "a"}), "structured_outputs"),
+])
+def test_a_refusal_names_its_parameter(kwargs, param):
+    """A server reads the refused parameter from the error (``param``), never from its text."""
+    with pytest.raises(ParamError) as ei:
+        SamplingParams(**kwargs)
+    assert ei.value.param == param
+    assert ei.value.params[0] == param and len(ei.value.params) == len(ei.value.problems)

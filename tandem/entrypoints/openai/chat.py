@@ -40,6 +40,8 @@ def _generation_prompt(req: ChatTemplateFields) -> bool:
 
 
 class ChatServing(OpenAIServing):
+    PARAM_NAMES = {"prompt": "messages", "logprobs": "top_logprobs"}
+
     def prompt_ids(self, req: ChatTemplateFields, messages: list[ChatMessage]) -> list[int]:
         """Token ids of ``messages`` through the chat template, as ``req``'s template fields ask."""
         add_generation_prompt = _generation_prompt(req)
