@@ -11,6 +11,11 @@ from typing import Optional
 
 from tandem.types.runner_output import SampledLogprobs
 
+# ``EngineCoreOutput.error_kind`` of an error that is the request's own fault (a JSON schema,
+# regex or grammar that does not compile, ...): a server answers it with HTTP 400 and the
+# message, the offline API raises ``ValueError``. Without a kind, an error is the engine's (500).
+INVALID_REQUEST = "invalid_request"
+
 
 @dataclass
 class EngineCoreOutput:
@@ -24,3 +29,4 @@ class EngineCoreOutput:
     prompt_logprobs: list[SampledLogprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: Optional[str] = None
+    error_kind: Optional[str] = None  # INVALID_REQUEST, or None: the engine's fault
