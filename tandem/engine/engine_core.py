@@ -78,6 +78,10 @@ class LoopStats:
     # Steps launched while an earlier step's output was still unprocessed: the overlap.
     num_launched_ahead: int = 0
     num_errors: int = 0
+    # Constrained steps, and those whose sampling waited for an earlier step's tokens (their
+    # forward ran while the engine completed that step and filled the bitmask).
+    num_constrained: int = 0
+    num_sampling_deferred: int = 0
 
 
 class EngineCore:
@@ -176,8 +180,11 @@ class EngineCore:
         if not so.grammar_req_ids:  # one call: its future resolves to the output
             return InFlightStep(so, cast("Future[ModelRunnerOutput]", self.executor.execute_model(so)))
         step = InFlightStep(so, None, self.executor.execute_model(so))
+        self.stats.num_constrained += 1
         if self._grammars_current(so):
             self._sample(step)
+        else:
+            self.stats.num_sampling_deferred += 1
         return step
 
     def _grammars_current(self, so: SchedulerOutput) -> bool:
