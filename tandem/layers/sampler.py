@@ -251,6 +251,11 @@ def random_sample(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tens
 
     Unlike torch.multinomial it needs no device sync. Unseeded rows draw from the default
     generator in one batched call; seeded rows get ``seeded_exponential`` noise instead.
+
+    A draw can be exactly 0 in float32 (a uniform that rounds to 1; about one element in
+    2**24), and a token with probability 0 — masked by top-k/top-p, min-p or a grammar —
+    would then score 0/0 = NaN, which ``argmax`` takes for the maximum. So the noise is
+    clamped to the smallest positive float: the race is otherwise unchanged.
     """
     q = torch.empty_like(probs)
     seeded = metadata.seeded_rows
@@ -260,6 +265,7 @@ def random_sample(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tens
     if seeded is not None and num_seeded:
         assert metadata.seeds is not None and metadata.output_index is not None
         q[seeded] = seeded_exponential(metadata.seeds, metadata.output_index, probs.shape[1]).to(q.dtype)
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
     return probs.div(q).argmax(dim=-1).view(-1)
 
 
