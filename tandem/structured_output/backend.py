@@ -33,6 +33,10 @@ class GrammarCompileError(ValueError):
     """The constraint does not compile: the request's fault, with the compiler's message."""
 
 
+class GrammarBackendError(RuntimeError):
+    """The backend could not be built for this model (the engine's problem, not a request's)."""
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """One constraint, hashable: the key of the compiled-grammar cache.
