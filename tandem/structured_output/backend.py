@@ -99,6 +99,12 @@ class GrammarBackend(abc.ABC):
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile ``spec``; raises ``GrammarCompileError`` with the compiler's message."""
 
+    def fill_bitmasks(self, matchers: list[Matcher], bitmask: Any, rows: list[int]) -> None:
+        """Fill row ``rows[i]`` of ``bitmask`` for ``matchers[i]`` (a whole step's worth; a
+        backend may spread the rows over threads)."""
+        for m, row in zip(matchers, rows):
+            m.fill_bitmask(bitmask, row)
+
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 

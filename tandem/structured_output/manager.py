@@ -163,12 +163,17 @@ class StructuredOutputManager:
         import torch
 
         bitmask = torch.full((len(requests), self.bitmask_words), -1, dtype=torch.int32)
+        matchers, rows = [], []
         for i, req in enumerate(requests):
             g = req.grammar
             if req.is_finished or not isinstance(g, RequestGrammarState) or g.matcher is None:
                 continue
             if not g.matcher.is_terminated:
-                g.matcher.fill_bitmask(bitmask, i)
+                matchers.append(g.matcher)
+                rows.append(i)
+        if matchers:
+            assert self._backend is not None  # a matcher exists, so its backend does
+            self._backend.fill_bitmasks(matchers, bitmask, rows)
         return GrammarOutput(step_id, req_ids, bitmask)
 
     def shutdown(self) -> None:
