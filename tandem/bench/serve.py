@@ -301,12 +301,16 @@ async def run_benchmark(config: BenchmarkConfig,
                                   temperature=config.temperature, timeout_s=config.request_timeout_s,
                                   extra_body=dict(config.extra_body))
         if config.warmup:
-            s = samples[0]
-            logger.info("warm-up request (not measured)")
-            rec = await send_request(session, client_cfg, s.prompt, s.prompt_len,
-                                     min(s.expected_output_len, WARMUP_MAX_TOKENS), schema=s.schema)
-            if not rec.success:
-                raise BenchmarkError(f"warm-up request to {config.api_url} failed: {rec.error}")
+            # One of each kind: a constrained request's first use also compiles its grammar and
+            # loads the grammar library, which must not fall into the measured window.
+            warm = [next((s for s in samples if s.schema is None), None),
+                    next((s for s in samples if s.schema is not None), None)]
+            for s in (w for w in warm if w is not None):
+                logger.info("warm-up request (not measured)%s", " with a JSON schema" if s.schema else "")
+                rec = await send_request(session, client_cfg, s.prompt, s.prompt_len,
+                                         min(s.expected_output_len, WARMUP_MAX_TOKENS), schema=s.schema)
+                if not rec.success:
+                    raise BenchmarkError(f"warm-up request to {config.api_url} failed: {rec.error}")
         pace = ("all at once" if math.isinf(config.request_rate)
                 else f"{config.request_rate:g} req/s, {config.arrival} arrivals")
         logger.info("sending %d requests (%s, max concurrency %s)", len(samples), pace,
