@@ -114,6 +114,21 @@ def test_bf16_triton_matches_sdpa_on_most_prompts(sharp_model, capsys):
     assert all(gap <= 0.5 for gap in gaps), msg
 
 
+def _sync_checked(fn, errors: list[str]):
+    """``fn`` run under sync-debug mode "error" (an implicit device->host sync raises); the
+    traceback of any failure is kept in ``errors``."""
+    def call(arg):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn(arg)
+        except Exception:
+            errors.append(traceback.format_exc())
+            raise
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return call
+
+
 def test_decode_launches_have_no_hidden_synchronization(sharp_model):
     """Every step's launch (staging, graph replay or eager forward, sampling, the async
     copy) runs under sync-debug mode "error": any implicit device->host sync raises."""
@@ -122,20 +137,8 @@ def test_decode_launches_have_no_hidden_synchronization(sharp_model):
     with _llm(sharp_model, dtype="bfloat16") as llm:
         runner = llm.engine.core.executor.worker.runner
         llm.generate(_prompts(4, 5, 20), SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm
-        launch = runner.execute_model
         errors: list[str] = []
-
-        def checked(so):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return launch(so)
-            except Exception:
-                errors.append(traceback.format_exc())
-                raise
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-
-        runner.execute_model = checked
+        runner.execute_model = _sync_checked(runner.execute_model, errors)
         prompts = _prompts(24, 5, 120, seed=2)
         params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                   SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=24, ignore_eos=True),
@@ -242,21 +245,8 @@ def test_constrained_steps_launch_without_hidden_synchronization(sharp_model):
         prompts = _prompts(8, 5, 40, seed=6)
         llm.generate(prompts, _constrained_params(len(prompts)), use_tqdm=False)  # warm: imports, Triton
         errors: list[str] = []
-
-        def checked(fn):
-            def call(arg):
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    return fn(arg)
-                except Exception:
-                    errors.append(traceback.format_exc())
-                    raise
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            return call
-
-        runner.execute_model = checked(runner.execute_model)
-        runner.sample_tokens = checked(runner.sample_tokens)
+        runner.execute_model = _sync_checked(runner.execute_model, errors)
+        runner.sample_tokens = _sync_checked(runner.sample_tokens, errors)
         try:
             outs = llm.generate(_prompts(16, 5, 60, seed=7), _constrained_params(16), use_tqdm=False)
         finally:
