@@ -198,7 +198,8 @@ def test_structured_outputs_across_the_core_process(tiny_llama):
     from tandem.sampling_params import StructuredOutputsParams
     from tandem.types.engine_output import INVALID_REQUEST
 
-    good = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["t2t3", "t4"]))
+    good = SamplingParams(temperature=0, max_tokens=8,
+                          structured_outputs=StructuredOutputsParams(choice=["t2t3", "t4"]))
     bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="(t2"))
 
     async def last(engine: AsyncLLM, rid: str, sp: SamplingParams):
