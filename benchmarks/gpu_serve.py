@@ -222,6 +222,35 @@ def served(folder: str, count: str, args: argparse.Namespace, tmp: str) -> dict[
     return res
 
 
+def guidellm_run(folder: str, count: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
+    """guidellm (if installed) against ``--api-server-count count``: 64 streams, 512 requests,
+    synthetic prompts of ``--input-len`` tokens, ``--output-len`` output tokens; its console report."""
+    import shutil
+
+    exe = shutil.which("guidellm")
+    if exe is None:
+        return {"error": "guidellm is not installed"}
+    log_path = os.path.join(tmp, f"server-guidellm-{count}.log")
+    proc, port = start_server(folder, count, log_path)
+    try:
+        cmd = [exe, "run", "--backend", f"kind=openai_http,target=http://127.0.0.1:{port},request_format=/v1/completions",
+               "--profile", "kind=concurrent,streams=64", "--tokenizer", f"kind=huggingface_auto,model={folder}",
+               "--data", f"kind=synthetic_text,prompt_tokens={args.input_len},output_tokens={args.output_len}",
+               "--constraint", "kind=max_requests,count=512", "--output", "kind=console"]
+        t0 = time.perf_counter()
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+        res = {"api_server_count": count, "command": " ".join(cmd), "returncode": run.returncode,
+               "wall_s": time.perf_counter() - t0, "stdout_tail": run.stdout[-6000:], "stderr_tail": run.stderr[-3000:]}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    log(f"guidellm against --api-server-count {count}: exit {res['returncode']} in {res['wall_s']:.0f} s")
+    return res
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
@@ -233,6 +262,8 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--offline-rounds", type=int, default=3)
     p.add_argument("--skip-default-config", action="store_true")
+    p.add_argument("--skip-offline", action="store_true", help="served runs only (ratios are then not computed)")
+    p.add_argument("--guidellm-count", default=None, help="also run guidellm against this --api-server-count")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, few requests: checks this script")
     args = p.parse_args()
@@ -243,12 +274,13 @@ def main() -> int:
     result: dict[str, Any] = {"args": vars(args), "shape": SHAPES[args.shape], "engine": ENGINE}
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_model(os.path.join(tmp, "model"), SHAPES[args.shape])
-        result["offline_tuned"] = offline(folder, args, ENGINE, args.offline_rounds)
-        if not args.skip_default_config:
+        result["offline_tuned"] = ({"tok_per_s": float("nan"), "rounds": []} if args.skip_offline
+                                   else offline(folder, args, ENGINE, args.offline_rounds))
+        if not (args.skip_default_config or args.skip_offline):
             default = {k: v for k, v in ENGINE.items() if k not in ("max_num_seqs", "max_num_batched_tokens")}
             result["offline_default"] = offline(folder, args, default, args.offline_rounds)
         result["served"] = []
-        for count in args.api_server_counts.split(","):
+        for count in [c for c in args.api_server_counts.split(",") if c]:
             try:
                 result["served"].append(served(folder, count, args, tmp))
             except Exception as e:
@@ -256,6 +288,9 @@ def main() -> int:
                 log(f"serve {count}: {result['served'][-1]['error']}")
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=2))
+        if args.guidellm_count:
+            result["guidellm"] = guidellm_run(folder, args.guidellm_count, args, tmp)
+            print(result["guidellm"].get("stdout_tail", result["guidellm"].get("error", ""))[-4000:])
     offline_tps = result["offline_tuned"]["tok_per_s"]
     print_table(result, offline_tps)
     if args.out:
