@@ -160,13 +160,14 @@ class CpuSampler:
                 for k, v in self.samples.items()}
 
 
-def run_clients(port: int, args: argparse.Namespace, num_prompts: int, seed: int, tmp: str) -> dict[str, Any]:
+def run_clients(port: int, args: argparse.Namespace, num_prompts: int, seed: int, tmp: str,
+                structured_ratio: float = 0.0) -> dict[str, Any]:
     """``--clients`` ``tandem bench serve`` processes at once; their results summed."""
     k = args.clients
     procs, files = [], []
     t0 = time.time()
     for i in range(k):
-        out = os.path.join(tmp, f"client-{seed}-{i}.json")
+        out = os.path.join(tmp, f"client-{seed}-{i}-{structured_ratio:g}.json")
         files.append(out)
         cmd = [sys.executable, "-m", "tandem.entrypoints.cli", "bench", "serve", "--port", str(port),
                "--num-prompts", str(num_prompts // k), "--max-concurrency", str(args.concurrency // k),
@@ -174,6 +175,8 @@ def run_clients(port: int, args: argparse.Namespace, num_prompts: int, seed: int
                "--random-vocab-size", str(VOCAB_FOR_PROMPTS), "--seed", str(seed * 100 + i), "--ignore-eos",
                "--temperature", "0", "--no-warmup", "--disable-tqdm", "--save-result", "--result-dir", tmp,
                "--result-filename", os.path.basename(out)]
+        if structured_ratio:
+            cmd += ["--structured-output-ratio", str(structured_ratio)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     errs = [p.communicate(timeout=1200)[1].decode(errors="replace") for p in procs]
     wall = time.time() - t0
@@ -222,6 +225,35 @@ def served(folder: str, count: str, args: argparse.Namespace, tmp: str) -> dict[
     return res
 
 
+def structured_runs(folder: str, count: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
+    """One server; the same served workload with a share of JSON-schema requests, for each
+    of ``--structured-ratios`` (bench serve's default schema never closes, so every token of
+    a constrained request is under the grammar and every request has the same length)."""
+    log_path = os.path.join(tmp, f"server-structured-{count}.log")
+    proc, port = start_server(folder, count, log_path)
+    out: dict[str, Any] = {"api_server_count": count, "runs": {}}
+    try:
+        ratios = [float(r) for r in args.structured_ratios.split(",")]
+        for r in ratios:  # warm-up: compile the grammar kernels and the schema once
+            run_clients(port, args, max(args.clients * 8, 256), 3, tmp, structured_ratio=r)
+        for r in ratios:
+            res = run_clients(port, args, args.num_prompts, 4, tmp, structured_ratio=r)
+            out["runs"][f"{r:g}"] = res
+            log(f"structured share {r:g}: {res['output_tok_per_s']:.0f} tok/s, TPOT {res['mean_tpot_ms']:.2f} ms, "
+                f"failed {res['failed']}")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out["exit_code"] = proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        out["log_tail"] = Path(log_path).read_text()[-3000:]
+    base = out["runs"].get("0", {}).get("output_tok_per_s")
+    if base:
+        out["relative_to_unconstrained"] = {k: v["output_tok_per_s"] / base for k, v in out["runs"].items()}
+    return out
+
+
 def guidellm_run(folder: str, count: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     """guidellm (if installed) against ``--api-server-count count``: 64 streams, 512 requests,
     synthetic prompts of ``--input-len`` tokens, ``--output-len`` output tokens; its console report."""
@@ -264,6 +296,12 @@ def main() -> int:
     p.add_argument("--skip-default-config", action="store_true")
     p.add_argument("--skip-offline", action="store_true", help="served runs only (ratios are then not computed)")
     p.add_argument("--guidellm-count", default=None, help="also run guidellm against this --api-server-count")
+    p.add_argument("--structured-ratios", default=None, metavar="R,R,...",
+                   help="also serve with these shares of JSON-schema requests (e.g. 0,0.2,0.8,1)")
+    p.add_argument("--structured-count", default="auto", help="--api-server-count of the structured runs")
+    p.add_argument("--tokenizer-from", default=None, metavar="DIR",
+                   help="copy this tokenizer into the model folder (a byte-level one, so grammars can spell JSON); "
+                        "the model's vocabulary becomes the tokenizer's size")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, few requests: checks this script")
     args = p.parse_args()
@@ -273,7 +311,13 @@ def main() -> int:
 
     result: dict[str, Any] = {"args": vars(args), "shape": SHAPES[args.shape], "engine": ENGINE}
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build_model(os.path.join(tmp, "model"), SHAPES[args.shape])
+        shape = dict(SHAPES[args.shape])
+        if args.tokenizer_from:
+            shape["vocab_size"] = tokenizer_vocab(args.tokenizer_from)
+            result["shape"] = shape
+        folder = build_model(os.path.join(tmp, "model"), shape)
+        if args.tokenizer_from:
+            use_tokenizer(folder, args.tokenizer_from)
         result["offline_tuned"] = ({"tok_per_s": float("nan"), "rounds": []} if args.skip_offline
                                    else offline(folder, args, ENGINE, args.offline_rounds))
         if not (args.skip_default_config or args.skip_offline):
@@ -288,11 +332,21 @@ def main() -> int:
                 log(f"serve {count}: {result['served'][-1]['error']}")
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=2))
+        if args.structured_ratios:
+            result["structured"] = structured_runs(folder, args.structured_count, args, tmp)
+            if args.out:
+                Path(args.out).write_text(json.dumps(result, indent=2))
         if args.guidellm_count:
             result["guidellm"] = guidellm_run(folder, args.guidellm_count, args, tmp)
             print(result["guidellm"].get("stdout_tail", result["guidellm"].get("error", ""))[-4000:])
     offline_tps = result["offline_tuned"]["tok_per_s"]
     print_table(result, offline_tps)
+    if "structured" in result:
+        rel = result["structured"].get("relative_to_unconstrained", {})
+        print("| constrained share | tok/s | / unconstrained | TPOT ms | failed |\n|---|---|---|---|---|")
+        for k, v in result["structured"]["runs"].items():
+            print(f"| {k} | {v['output_tok_per_s']:.0f} | {rel.get(k, float('nan')):.3f} | {v['mean_tpot_ms']:.2f} | "
+                  f"{v['failed']} |")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return 0
@@ -310,6 +364,25 @@ def smoke_setup(args: argparse.Namespace) -> None:
     ENGINE.pop("gpu_memory_utilization")
     globals()["build_model"] = lambda folder, shape: gpu_bench.build_model(folder, shape, device="cpu")
     globals()["free_cuda"] = lambda: None
+
+
+def tokenizer_vocab(folder: str) -> int:
+    from tandem.tokenizer import load_tokenizer
+
+    return len(load_tokenizer(folder))
+
+
+def use_tokenizer(model_folder: str, tokenizer_folder: str) -> None:
+    """Replace the model folder's tokenizer with the one in ``tokenizer_folder``."""
+    import glob
+    import shutil
+
+    for f in glob.glob(os.path.join(model_folder, "tokenizer*")) + glob.glob(os.path.join(model_folder, "special*")):
+        os.remove(f)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        src = os.path.join(tokenizer_folder, name)
+        if os.path.exists(src):
+            shutil.copy(src, model_folder)
 
 
 def logging_quiet() -> None:
