@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_common  # noqa: E402
 from gpu_bench import SHAPES, build_model, free_cuda, log  # noqa: E402
 
 SHAPES = {**SHAPES, "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -83,36 +83,16 @@ def torch_reserved_gib() -> float:
 
 
 # -- served ------------------------------------------------------------------------------
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(folder: str, count: str, log_path: str) -> tuple[subprocess.Popen, int]:
-    import httpx
-
-    port = free_port()
     flags = [f"--{k.replace('_', '-')}" if v is True else f"--no-{k.replace('_', '-')}" if v is False
              else f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
-    cmd = [sys.executable, "-m", "tandem.entrypoints.openai", folder, "--port", str(port),
-           "--api-server-count", count, *flags]
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{Path(log_path).read_text()[-3000:]}")
-        if "tandem: serving" in Path(log_path).read_text():
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    return proc, port
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not start within 600 s")
+    proc, url = serve_common.start_server(folder, ["--api-server-count", count, *flags], log_path)
+    return proc, int(url.rsplit(":", 1)[1])
+
+
+def stop_server(proc: subprocess.Popen) -> Any:
+    code = serve_common.stop_server(proc)
+    return "killed" if code < 0 else code
 
 
 def server_processes(launcher: int) -> dict[str, Any]:
@@ -213,12 +193,7 @@ def served(folder: str, count: str, args: argparse.Namespace, tmp: str) -> dict[
         res.update(run_clients(port, args, args.num_prompts, 2, tmp))
         res["cpu_percent"] = sampler.stop()
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            res["exit_code"] = proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            res["exit_code"] = "killed"
+        res["exit_code"] = stop_server(proc)
         res["log_tail"] = Path(log_path).read_text()[-1500:]
     log(f"serve --api-server-count {count}: {res['output_tok_per_s']:.0f} tok/s, TTFT {res['mean_ttft_ms']:.0f} ms, "
         f"TPOT {res['mean_tpot_ms']:.2f} ms, failed {res['failed']}, cpu {json.dumps(res['cpu_percent'])}")
@@ -242,11 +217,7 @@ def structured_runs(folder: str, count: str, args: argparse.Namespace, tmp: str)
             log(f"structured share {r:g}: {res['output_tok_per_s']:.0f} tok/s, TPOT {res['mean_tpot_ms']:.2f} ms, "
                 f"failed {res['failed']}")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            out["exit_code"] = proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        out["exit_code"] = stop_server(proc)
         out["log_tail"] = Path(log_path).read_text()[-3000:]
     base = out["runs"].get("0", {}).get("output_tok_per_s")
     if base:
@@ -274,11 +245,7 @@ def guidellm_run(folder: str, count: str, args: argparse.Namespace, tmp: str) ->
         res = {"api_server_count": count, "command": " ".join(cmd), "returncode": run.returncode,
                "wall_s": time.perf_counter() - t0, "stdout_tail": run.stdout[-6000:], "stderr_tail": run.stderr[-3000:]}
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     log(f"guidellm against --api-server-count {count}: exit {res['returncode']} in {res['wall_s']:.0f} s")
     return res
 

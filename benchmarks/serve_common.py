@@ -41,8 +41,9 @@ def start_server(model: Optional[str], engine_args: list[str], log_path: str,
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+        try:  # healthy, and every API-server process up (the launcher says "serving" last)
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200 and b"tandem: serving" in open(
+                    log_path, "rb").read():
                 return proc, url
         except httpx.HTTPError:
             pass
