@@ -7,14 +7,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tandem.entrypoints.openai.errors import bad_request
+from tandem.entrypoints.openai.logprobs import clamp, prompt_logprobs_json
 from tandem.entrypoints.openai.protocol import ChatCompletionRequest, StreamOptions
 from tandem.entrypoints.openai.serving import ChoiceBuilder, OpenAIServing, created, sse, usage
-from tandem.outputs import CompletionOutput, Logprob
+from tandem.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def _entry(lp: Logprob) -> dict[str, Any]:
     token = lp.decoded_token or ""
-    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
+    return {"token": token, "logprob": clamp(lp.logprob), "bytes": list(token.encode("utf-8"))}
 
 
 def chat_logprobs(c: CompletionOutput, start: int, end: int, top: int) -> Optional[dict[str, Any]]:
@@ -42,6 +43,8 @@ class ChatServing(OpenAIServing):
         self.check_common(req, 1)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if req.prompt_logprobs is not None and req.stream:
+            raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         if req.max_tokens is not None and req.max_completion_tokens is not None \
                 and req.max_tokens != req.max_completion_tokens:
             raise bad_request("give max_completion_tokens or max_tokens, not two different values",
@@ -51,7 +54,8 @@ class ChatServing(OpenAIServing):
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(requested, len(ids), None, param)
         top = req.top_logprobs or 0
-        params = self.sampling_params(req, max_tokens, top if req.logprobs else None)
+        params = self.sampling_params(req, max_tokens, top if req.logprobs else None,
+                                      prompt_logprobs=req.prompt_logprobs)
         request_id, streams = self.start("chatcmpl", [ids], [params])
         if req.stream:
             return self.stream_response(self._stream(request_id, req.n, len(ids), streams, req.stream_options,
@@ -62,12 +66,16 @@ class ChatServing(OpenAIServing):
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": chat_logprobs(c, 0, len(c.token_ids), top),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in outputs[0].outputs]
-        return JSONResponse({"id": request_id, "object": "chat.completion", "created": created(),
-                             "model": self.model_name, "choices": choices, "usage": usage([len(ids)], outputs)})
+        body = {"id": request_id, "object": "chat.completion", "created": created(), "model": self.model_name,
+                "choices": choices, "usage": usage([len(ids)], outputs)}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(outputs[0].prompt_logprobs)  # vLLM's place for them
+        return JSONResponse(body)
 
     @staticmethod
     def _stream_choice(top: int) -> ChoiceBuilder:
-        def choice(index: int, c: CompletionOutput, text: str, start: int, end: int, offset: int) -> dict[str, Any]:
+        def choice(_: RequestOutput, index: int, c: CompletionOutput, text: str, start: int, end: int,
+                   offset: int) -> dict[str, Any]:
             return {"index": index, "delta": {"content": text} if text else {},
                     "logprobs": chat_logprobs(c, start, end, top),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}

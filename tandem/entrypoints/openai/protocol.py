@@ -2,9 +2,9 @@
 
 Strict means a wrong type is refused rather than coerced (``"1"`` is not an int, ``true`` is
 not a number), and a field the server does not know is refused by name rather than
-ignored. Fields OpenAI defines that tandem does not implement (tools, response formats,
-``suffix``, ``echo``...) are refused with a sentence saying so, before validation, so the
-client learns why instead of getting output that silently ignored its request.
+ignored. Fields OpenAI defines that tandem does not implement (``suffix``, ``best_of``...)
+are refused with a sentence saying so, before validation, so the client learns why instead
+of getting output that silently ignored its request.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ _UNSUPPORTED_COMMON = ("tools", "tool_choice", "functions", "function_call", "pa
                        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _HARMLESS: dict[str, Any] = {"echo": False, "suffix": "", "best_of": 1}
 UNSUPPORTED = {
-    "completions": _UNSUPPORTED_COMMON + ("suffix", "echo", "best_of"),
+    "completions": _UNSUPPORTED_COMMON + ("suffix", "best_of"),
     "chat": _UNSUPPORTED_COMMON + ("echo",),
 }
 
@@ -74,6 +74,8 @@ class _SamplingRequest(_Strict):
     logit_bias: Optional[dict[str, float]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's extension: the logprobs of each prompt token (and its top-k), in vLLM's shape.
+    prompt_logprobs: Optional[int] = Field(None, ge=0)
     user: Optional[str] = None  # an end-user id: accepted, as OpenAI does, and only logged
 
     @field_validator("stop")
@@ -98,6 +100,8 @@ class CompletionRequest(_SamplingRequest):
     # A text, a list of texts, a list of token ids, or a list of lists of token ids; checked
     # by hand because pydantic's union errors would list every member's complaint.
     prompt: Any
+    # 0 only with echo: the prompt's logprobs without a completion (checked by the endpoint).
+    max_tokens: Optional[int] = Field(None, ge=0)
     logprobs: Optional[int] = Field(None, ge=0)
     echo: bool = False
     suffix: Optional[str] = None

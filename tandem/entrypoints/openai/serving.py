@@ -44,9 +44,9 @@ def sse(data: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
-# A streamed choice's JSON from (choice index, output, new text, first new token, end token,
-# characters of text sent before this chunk).
-ChoiceBuilder = Callable[[int, CompletionOutput, str, int, int, int], dict[str, Any]]
+# A streamed choice's JSON from (its prompt's output, choice index, output, new text, first new
+# token, end token, characters of text sent before this chunk).
+ChoiceBuilder = Callable[[RequestOutput, int, CompletionOutput, str, int, int, int], dict[str, Any]]
 UNFINISHED = "the request was aborted before it finished (the server is shutting down)"
 
 
@@ -103,8 +103,11 @@ class OpenAIServing:
         return None if default is None else min(default, limit - num_prompt_tokens)
 
     @staticmethod
-    def sampling_params(req: _SamplingRequest, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+    def sampling_params(req: _SamplingRequest, max_tokens: Optional[int], logprobs: Optional[int],
+                        **extra: Any) -> SamplingParams:
+        """The request's sampling settings; ``extra`` adds endpoint-specific ones (prompt_logprobs, ...)."""
         kw: dict[str, Any] = dict(
+            **extra,
             n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed, ignore_eos=req.ignore_eos,
             stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             stop_token_ids=list(req.stop_token_ids or []), logprobs=logprobs,
@@ -223,7 +226,7 @@ class OpenAIServing:
                 offset = tracker.text_sent[index]
                 d = tracker.delta(index, c)
                 if d is not None:
-                    choices.append(choice(index, c, *d, offset))
+                    choices.append(choice(out, index, c, *d, offset))
             if choices:
                 chunk = {**head, "choices": choices}
                 if continuous:
