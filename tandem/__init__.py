@@ -1,8 +1,8 @@
 """tandem: an LLM serving engine whose scheduler runs one step ahead of the device."""
 from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "__version__"]
+from tandem._version import __version__
 
 
 def __getattr__(name: str):

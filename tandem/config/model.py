@@ -49,6 +49,20 @@ class EnvSwitches:
 
 
 @dataclass(frozen=True)
+class ModelInfo:
+    """What the front end needs of the model (tokenizer, limits, EOS ids): plain data, so an
+    API-server process learns it from the engine core without importing torch or the
+    transformers model code that a ``ModelConfig``'s ``hf_config`` needs."""
+
+    folder: str
+    tokenizer: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    device: str
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Everything about the model that the layers below the front end need (see module doc)."""
 
@@ -60,6 +74,11 @@ class ModelConfig:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     env: EnvSwitches = field(default_factory=EnvSwitches)
+
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(self.folder, self.tokenizer, self.max_model_len, self.vocab_size, self.eos_token_ids,
+                         self.device)
 
     @property
     def architecture(self) -> str:

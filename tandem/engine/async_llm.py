@@ -14,20 +14,26 @@ are never read.
 The core is dead when its process exits, when nothing at all (not even a heartbeat) comes
 for ``hang_timeout_s`` (it is frozen), or when one step runs longer than the engine's
 ``rpc_timeout_s`` (it is hung: the limit the executor sets for a worker's answer). Then
-every live request ends with an error and new ones are refused with ``EngineDeadError``.
+every live request ends with an error, new ones are refused with ``EngineDeadError``, and
+``on_dead`` is called (a server shuts down: a half-alive server must not keep running).
+
+This module imports neither torch nor the model code: an API-server process runs it with
+only the tokenizer, and learns the model (``ModelInfo``) from the core. ``AsyncLLM.start``
+starts a core of its own (a process, or a thread for tests); a server with several
+API-server processes connects each one's ``AsyncLLM`` to a shared core instead.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Callable, Literal, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
-from tandem.config import EngineConfig, ModelConfig
-from tandem.engine.core_client import EngineCoreClient, InprocEngineCoreClient, ProcessEngineCoreClient
+from tandem.config import EngineConfig, ModelInfo
+from tandem.engine.core_client import CoreProcess, EngineCoreClient
 from tandem.engine.input_processor import InputProcessor
 from tandem.engine.messages import CoreInput, CoreStats, EngineDeadError
 from tandem.engine.output_processor import OutputProcessor
-from tandem.engine.stats import StatLogger
+from tandem.engine.stats import IterationStats, StatLogger
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -81,38 +87,41 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, model_config: Optional[ModelConfig] = None, *,
-                 engine_core: Literal["process", "thread"] = "process", stat_logger: Optional[StatLogger] = None,
-                 hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> None:
-        from tandem.models.loader import load_tokenizer
-        from tandem.models.model_config import resolve_model_config
+    """The asyncio engine front end over a running core (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, client: EngineCoreClient, model: ModelInfo, *,
+                 stat_logger: Optional[StatLogger] = None, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> None:
+        from tandem.tokenizer import load_tokenizer
 
         self.config = config
-        self.model_config = model_config or resolve_model_config(config)
-        self.tokenizer = load_tokenizer(self.model_config.tokenizer)
-        self.client = self._start_core(engine_core)
-        self.input_processor = InputProcessor(config, self.model_config, self.tokenizer)
-        self.input_processor.num_kv_blocks = self.client.num_kv_blocks
+        self.model = model
+        self.client = client
+        self.tokenizer = load_tokenizer(model.tokenizer)
+        self.input_processor = InputProcessor(config, model, self.tokenizer)
+        self.input_processor.num_kv_blocks = client.num_kv_blocks
         self.output_processor = OutputProcessor(self.tokenizer, config.enable_prefix_caching)
         self.stat_logger = stat_logger
         self.hang_timeout_s = hang_timeout_s
-        self.latest_stats = CoreStats(num_kv_blocks=self.client.num_kv_blocks,
-                                      num_free_kv_blocks=self.client.num_kv_blocks)
+        self.latest_stats = CoreStats(num_kv_blocks=client.num_kv_blocks, num_free_kv_blocks=client.num_kv_blocks)
         self.dead_error: Optional[str] = None
+        # Called once (on the loop) with the reason when the core is found dead.
+        self.on_dead: Optional[Callable[[str], None]] = None
         self._streams: dict[str, RequestStream] = {}
         self._pending = CoreInput()
         self._flush_scheduled = False
         self._handler: Optional[asyncio.Task] = None
         self._shut_down = False
 
-    def _start_core(self, kind: str) -> EngineCoreClient:
-        if kind == "thread":
-            from tandem.engine.engine_core import EngineCore
-
-            return InprocEngineCoreClient(EngineCore(self.config, self.model_config))
-        if kind == "process":
-            return ProcessEngineCoreClient(self.config, self.model_config)
-        raise ValueError(f"engine_core must be 'process' or 'thread', got {kind!r}")
+    @classmethod
+    def start(cls, config: EngineConfig, **kwargs: Any) -> "AsyncLLM":
+        """An ``AsyncLLM`` with an engine-core process of its own (the core resolves the model;
+        ``inproc_client.start_inproc`` runs the core in a thread instead, for tests)."""
+        core = CoreProcess(config)
+        try:
+            return cls(config, core.connect(0, owner=True), core.model, **kwargs)
+        except BaseException:
+            core.shutdown(timeout_s=0.0)
+            raise
 
     @property
     def is_running(self) -> bool:
@@ -120,7 +129,25 @@ class AsyncLLM:
 
     @property
     def max_model_len(self) -> int:
-        return self.model_config.max_model_len
+        return self.model.max_model_len
+
+    # -- tokens and text (for handlers: /tokenize, chat templates) ----------------------
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.input_processor.tokenize(text, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            chat_template: Optional[str] = None, **template_kwargs: Any) -> list[int]:
+        """Token ids of a conversation (``ValueError`` if the tokenizer has no template)."""
+        return self.input_processor.apply_chat_template(messages, add_generation_prompt, chat_template,
+                                                        **template_kwargs)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Text of token ids (``ValueError`` for an id outside the vocabulary)."""
+        vocab = self.model.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {vocab}), got {bad[0]}")
+        return self.tokenizer.decode(list(token_ids))
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
@@ -179,6 +206,11 @@ class AsyncLLM:
             self.client.send(msg)
 
     # -- outputs -------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Start reading the core's batches now, on the running loop (a server does so at
+        start-up, so a core that dies while no request runs is noticed too)."""
+        self._ensure_handler()
+
     def _ensure_handler(self) -> None:
         if self._handler is None:
             self._handler = asyncio.get_running_loop().create_task(self._output_handler(),
@@ -194,7 +226,10 @@ class AsyncLLM:
                                           "(not even a heartbeat): it is frozen") from None
                 if batch.fatal_error is not None:
                     raise EngineDeadError(f"the engine core failed: {batch.fatal_error}")
-                if batch.stats is None:  # a heartbeat
+                if batch.heartbeat:
+                    self.latest_stats = batch.stats
+                    if self.stat_logger is not None:
+                        self.stat_logger.record(batch.stats, IterationStats())
                     if batch.busy_s > self.config.rpc_timeout_s:
                         raise EngineDeadError(f"an engine step has run for {batch.busy_s:.0f} s, longer than "
                                               f"rpc_timeout_s ({self.config.rpc_timeout_s:g} s): the engine core "
@@ -237,7 +272,10 @@ class AsyncLLM:
             stream.close()
         self._streams.clear()
         self._pending = CoreInput()
+        self.client.detach()
         self.client.shutdown(timeout_s=0.0)
+        if self.on_dead is not None:
+            self.on_dead(error)
 
     # -- lifecycle -----------------------------------------------------------------------
     async def shutdown(self) -> None:
@@ -254,4 +292,5 @@ class AsyncLLM:
                 await self._handler
             except asyncio.CancelledError:
                 pass
+        self.client.detach()
         await asyncio.to_thread(self.client.shutdown)

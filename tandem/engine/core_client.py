@@ -1,44 +1,52 @@
-"""How the asyncio front end talks to an engine core that runs beside it.
+"""How an asyncio front end talks to an engine core that runs beside it.
 
 ``EngineCoreClient`` is the interface: ``send`` a ``CoreInput`` (never blocks), ``await
 get_output()`` for the next ``CoreOutputBatch`` (raises ``EngineDeadError`` once the core
-is gone), ``shutdown``. Two implementations share the hand-over from the core's side to
-the event loop:
+is gone), ``shutdown``. Implementations:
 
-* ``InprocEngineCoreClient`` runs the core loop in a thread of this process (tests and
-  embedding; the GIL is shared with the front end);
-* ``ProcessEngineCoreClient`` runs it in its own process (``core_process.py``), over a
-  private ``tandem.ipc`` channel. A reader thread receives the core's batches and watches
-  the process: when it exits (crash, SIGKILL, OOM) the front end hears of it within
-  ``_POLL_S``, after every batch the core sent before dying.
+* ``ProcessEngineCoreClient``: one front end's connection to a core process, over a private
+  ``tandem.ipc`` channel. Batches are read and decoded on the event loop itself (ZeroMQ's
+  asyncio integration): no reader thread competes with the loop for the GIL. The core's
+  process is watched through a pidfd on the same loop, so its death is seen at once, after
+  every batch it sent before dying;
+* ``InprocEngineCoreClient`` (``inproc_client.py``, imported only when asked for): the core
+  loop in a thread of this process, for tests and embedding.
+
+``CoreProcess`` is the parent's handle on the core process: it starts it, learns the model
+from it (``ModelInfo``: the core resolves the model, so a front end never imports torch),
+hands out connections (``connect``) and stops it. ``tandem serve`` with several API-server
+processes keeps it in the launcher and gives each API-server process a ``CoreAddress``.
 """
 from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import logging
-import queue
+import os
 import signal
 import subprocess
-import threading
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
-from tandem.config import EngineConfig, ModelConfig
-from tandem.engine.core_loop import DEFAULT_HEARTBEAT_S, EngineCoreLoop
-from tandem.engine.core_process import CORE_ENDPOINT, FRONT_ENDPOINT, MODULE, CoreReady, CoreStartup
-from tandem.engine.engine_core import EngineCore
-from tandem.engine.messages import CoreInput, CoreOutputBatch, EngineDeadError, EngineStartError
+from tandem import ipc
+from tandem.config import EngineConfig, ModelInfo
+from tandem.engine.core_protocol import (CONTROL_ENDPOINT, CORE_ENDPOINT, MODULE, CoreReady, CoreStartup,
+                                         front_endpoint)
+from tandem.engine.messages import (DEFAULT_HEARTBEAT_S, CoreInput, CoreOutputBatch, EngineDeadError,
+                                    EngineStartError)
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.1  # how often the reader thread checks that the core process is alive
+_POLL_S = 0.1  # how often the core's liveness is checked where no pidfd can be had
 
 
 class EngineCoreClient(abc.ABC):
     """The front end's handle on a running engine core."""
 
     num_kv_blocks: int  # the core's cache size, known once it has started
+    dead_error: Optional[str] = None
 
     @abc.abstractmethod
     def send(self, msg: CoreInput) -> None:
@@ -50,97 +58,11 @@ class EngineCoreClient(abc.ABC):
 
     @abc.abstractmethod
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the core (finishing in-flight steps) and release everything it holds."""
+        """Leave the core: stop it (finishing in-flight steps) if this client owns it. May
+        block, so it may run in a worker thread; call ``detach`` on the loop first."""
 
-
-class _HandoverClient(EngineCoreClient):
-    """Batches produced on another thread, awaited on the event loop.
-
-    The producing thread puts batches on a thread-safe queue and wakes the loop; the loop
-    side checks the queue again after clearing the wake-up event, so no wake-up is lost.
-    Once ``_die`` is called, ``get_output`` raises after the batches already queued.
-    """
-
-    def __init__(self) -> None:
-        self._outputs: queue.SimpleQueue[CoreOutputBatch] = queue.SimpleQueue()
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._wakeup: Optional[asyncio.Event] = None
-        self.dead_error: Optional[str] = None
-
-    def _deliver(self, batch: CoreOutputBatch) -> None:
-        self._outputs.put(batch)
-        self._wake()
-
-    def _die(self, error: str, expected: bool = False) -> None:
-        """From now on ``get_output`` raises (after the queued batches); ``expected`` at shutdown."""
-        if self.dead_error is None:
-            self.dead_error = error
-            if not expected:
-                logger.error("engine core is dead: %s", error)
-        self._wake()
-
-    def _wake(self) -> None:
-        loop, event = self._loop, self._wakeup
-        if loop is not None and event is not None:
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the loop is closed: nobody is waiting any more
-                pass
-
-    async def get_output(self) -> CoreOutputBatch:
-        if self._wakeup is None:
-            self._loop, self._wakeup = asyncio.get_running_loop(), asyncio.Event()
-        while True:
-            try:
-                return self._outputs.get_nowait()
-            except queue.Empty:
-                pass
-            if self.dead_error is not None:
-                raise EngineDeadError(self.dead_error)
-            self._wakeup.clear()
-            if not self._outputs.empty() or self.dead_error is not None:
-                continue
-            await self._wakeup.wait()
-
-
-class InprocEngineCoreClient(_HandoverClient):
-    """The core loop in a thread of this process."""
-
-    def __init__(self, core: EngineCore, heartbeat_s: Optional[float] = None) -> None:
-        super().__init__()
-        self.core = core
-        self.num_kv_blocks = core.kv_cache.num_blocks
-        self._inputs: queue.SimpleQueue[CoreInput] = queue.SimpleQueue()
-        kw = {} if heartbeat_s is None else {"heartbeat_s": heartbeat_s}
-        self._loop_runner = EngineCoreLoop(core, self._recv, self._deliver, **kw)
-        self._thread = threading.Thread(target=self._run, name="tandem-engine-core", daemon=True)
-        self._thread.start()
-
-    def _recv(self, timeout_s: float) -> Optional[CoreInput]:
-        try:
-            return self._inputs.get(timeout=timeout_s) if timeout_s > 0 else self._inputs.get_nowait()
-        except queue.Empty:
-            return None
-
-    def _run(self) -> None:
-        try:
-            self._loop_runner.run()
-        except BaseException as e:
-            self._die(f"engine core thread failed: {type(e).__name__}: {e}")
-        else:
-            self._die("the engine core was shut down", expected=True)
-
-    def send(self, msg: CoreInput) -> None:
-        self._inputs.put(msg)
-
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        if self._thread.is_alive():
-            self._inputs.put(CoreInput(shutdown=True))
-            self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            logger.error("engine core thread did not stop within %.0f s", timeout_s)
-            return
-        self.core.shutdown()
+    def detach(self) -> None:
+        """Release what this client registered with the event loop (call on the loop)."""
 
 
 def describe_exit(code: Optional[int]) -> str:
@@ -152,92 +74,94 @@ def describe_exit(code: Optional[int]) -> str:
     return f"exited with code {code}"
 
 
-class ProcessEngineCoreClient(_HandoverClient):
-    """The core loop in its own process, started through tandem's entry point (``core_process``)."""
+@dataclass
+class CoreAddress:
+    """Where a front end finds a running core: its private directory, the channel secret and
+    its pid (to watch it). Crosses to API-server processes inside their private startup file."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig,
-                 heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
+    ipc_dir: str
+    secret: bytes
+    pid: int
+
+
+class CoreProcess:
+    """The engine core's process, from its parent's side."""
+
+    def __init__(self, config: EngineConfig, heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
+        """Start the core and wait until it is ready; ``ValueError`` for a bad model or
+        flags (the core's one-line message), ``EngineStartError`` for any other failure."""
         import zmq
 
-        from tandem import ipc
-
-        super().__init__()
-        secret, self._dir = ipc.new_secret(), ipc.PrivateDir.create()
+        self._secret, self._dir = ipc.new_secret(), ipc.PrivateDir.create()
         self._ctx = zmq.Context()
-        self._chan = ipc.Channel(self._ctx, secret, local=self._dir.address(FRONT_ENDPOINT),
-                                 remote=self._dir.address(CORE_ENDPOINT))
-        self._proc: Optional[subprocess.Popen] = None
-        self._reader: Optional[threading.Thread] = None
-        self._stopping = threading.Event()
+        self._control = ipc.Channel(self._ctx, self._secret, local=self._dir.address(CONTROL_ENDPOINT),
+                                    remote=self._dir.address(CORE_ENDPOINT))
+        self.proc: Optional[subprocess.Popen] = None
         self._closed = False
         try:
-            self._proc = ipc.start_child(MODULE, [self._dir.path], secret, stdout=2)
-            self._chan.send(CoreStartup(config, ipc.WireModelConfig.from_config(model_config), heartbeat_s))
+            self.proc = ipc.start_child(MODULE, [self._dir.path], self._secret, stdout=2)
+            self._control.send(CoreStartup(config, heartbeat_s))
             ready = self._wait_ready(config.worker_start_timeout_s)
         except BaseException:
-            self._stop(timeout_s=0.0)
+            self.stop(timeout_s=0.0)
             raise
+        assert ready.model is not None
+        self.model: ModelInfo = ready.model
         self.num_kv_blocks = ready.num_kv_blocks
-        self.pid = self._proc.pid
-        self._reader = threading.Thread(target=self._read, name="tandem-core-reader", daemon=True)
-        self._reader.start()
+        self.pid = self.proc.pid
+
+    @property
+    def address(self) -> CoreAddress:
+        return CoreAddress(self._dir.path, self._secret, self.pid)
+
+    @property
+    def private_dir(self) -> str:
+        """The core's 0700 directory: a place for other private files of the same server."""
+        return self._dir.path
 
     def _wait_ready(self, timeout_s: float) -> CoreReady:
         deadline = time.monotonic() + timeout_s
-        assert self._proc is not None
+        assert self.proc is not None
         while True:
             try:
-                ready = self._chan.recv(CoreReady, timeout_s=_POLL_S)
+                ready = self._control.recv(CoreReady, timeout_s=_POLL_S)
                 break
             except TimeoutError:
                 pass
-            code = self._proc.poll()
+            code = self.proc.poll()
             if code is not None:
                 raise EngineStartError(f"the engine core process {describe_exit(code)} while starting "
                                        "(its error is in the log above)")
             if time.monotonic() > deadline:
                 raise EngineStartError(f"the engine core did not start within {timeout_s:.0f} s")
         if ready.error is not None:
+            if ready.bad_input:
+                raise ValueError(ready.error)
             raise EngineStartError(f"the engine core failed to start:\n{ready.error.rstrip()}")
         return ready
 
-    def _read(self) -> None:
-        """Hand every batch to the event loop; when the process is gone, say so (once)."""
-        assert self._proc is not None
-        try:
-            while not self._stopping.is_set():
-                batch = self._chan.try_recv(CoreOutputBatch)
-                if batch is not None:
-                    self._deliver(batch)
-                    continue
-                code = self._proc.poll()
-                if code is not None:
-                    while (batch := self._chan.try_recv(CoreOutputBatch)) is not None:
-                        self._deliver(batch)
-                    self._die(f"the engine core process (pid {self._proc.pid}) {describe_exit(code)}")
-                    return
-                self._chan.socket.poll(int(_POLL_S * 1000))
-        except Exception as e:  # a batch that does not decode: the channel cannot be trusted
-            self._die(f"lost the engine core channel: {type(e).__name__}: {e}")
+    def connect(self, client_index: int = 0, owner: bool = True) -> "ProcessEngineCoreClient":
+        """A front end's connection; with ``owner`` its ``shutdown`` stops this process."""
+        return ProcessEngineCoreClient(self.address, self.num_kv_blocks, client_index,
+                                       owner=self if owner else None)
 
-    def send(self, msg: CoreInput) -> None:
-        if self.dead_error is None:
-            self._chan.send(msg)
+    def exit_reason(self) -> Optional[str]:
+        """None while the process runs, else how it ended."""
+        code = None if self.proc is None else self.proc.poll()
+        return None if code is None else f"the engine core process (pid {self.pid}) {describe_exit(code)}"
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask the core to stop (it finishes in-flight steps), then make sure it has."""
-        self._stopping.set()  # the reader must not take the exit that follows for a crash
-        if self._proc is not None and self._proc.poll() is None and self.dead_error is None:
-            self._chan.send(CoreInput(shutdown=True))
-        self._stop(timeout_s)
+        if not self._closed and self.proc is not None and self.proc.poll() is None:
+            self._control.send(CoreInput(shutdown=True))
+        self.stop(timeout_s)
 
-    def _stop(self, timeout_s: float) -> None:
+    def stop(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for the process, then kill it; close everything. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._stopping.set()
-        proc = self._proc
+        proc = self.proc
         if proc is not None:
             try:
                 proc.wait(timeout_s)
@@ -251,9 +175,157 @@ class ProcessEngineCoreClient(_HandoverClient):
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-        if self._reader is not None and self._reader is not threading.current_thread():
-            self._reader.join()
-        self._die("the engine core was shut down", expected=True)
-        self._chan.close()
+        self._control.close()
         self._ctx.term()
         self._dir.remove()
+
+
+class ProcessEngineCoreClient(EngineCoreClient):
+    """Front end ``client_index``'s connection to a core process; use it on one event loop."""
+
+    def __init__(self, address: CoreAddress, num_kv_blocks: int, client_index: int = 0,
+                 owner: Optional[CoreProcess] = None) -> None:
+        import zmq
+
+        self.num_kv_blocks = num_kv_blocks
+        self.client_index = client_index
+        self.pid = address.pid
+        self._owner = owner
+        where = ipc.PrivateDir(address.ipc_dir)
+        self._ctx = zmq.Context()
+        self._chan = ipc.Channel(self._ctx, address.secret, local=where.address(front_endpoint(client_index)),
+                                 remote=where.address(CORE_ENDPOINT))
+        self._chan.send(CoreInput(client_index=client_index, hello=True))
+        self._backlog: collections.deque[CoreOutputBatch] = collections.deque()
+        self._arx: Any = None  # the receiving socket's asyncio twin, made on the loop
+        self._recv: Optional[asyncio.Future] = None
+        self._woken_by_death = False
+        self._watch: Optional[_ProcessWatch] = None
+        self._closed = False
+
+    # -- sending -------------------------------------------------------------------------
+    def send(self, msg: CoreInput) -> None:
+        if self.dead_error is None and not self._closed:
+            msg.client_index = self.client_index
+            self._chan.send(msg)
+
+    # -- receiving -----------------------------------------------------------------------
+    async def get_output(self) -> CoreOutputBatch:
+        if self._arx is None:
+            self._start_receiving()
+        while True:
+            if self._backlog:
+                return self._backlog.popleft()
+            if self.dead_error is not None:
+                raise EngineDeadError(self.dead_error)
+            self._recv = fut = self._arx.recv_multipart(copy=True)
+            try:
+                frames = await fut
+            except asyncio.CancelledError:
+                if self._woken_by_death:  # the core died while we waited: its last batches are queued
+                    self._woken_by_death = False
+                    continue
+                raise
+            finally:
+                self._recv = None
+            batch = self._decode(frames)
+            if batch is not None:
+                return batch
+
+    def _decode(self, frames: list[bytes]) -> Optional[CoreOutputBatch]:
+        payload = self._chan.authentic(frames)
+        if payload is None:
+            return None
+        try:
+            return ipc.decode(payload, CoreOutputBatch)
+        except Exception as e:  # a batch that does not decode: the channel cannot be trusted
+            self._die(f"lost the engine core channel: {type(e).__name__}: {e}")
+            return None
+
+    def _start_receiving(self) -> None:
+        import zmq.asyncio
+
+        self._arx = zmq.asyncio.Socket.shadow(self._chan.socket.underlying)
+        self._watch = _ProcessWatch(self.pid, self._core_exited)
+
+    def _core_exited(self) -> None:
+        """The core's process is gone: keep what it sent, then fail."""
+        if self._recv is not None and not self._recv.done():
+            self._woken_by_death = True
+            self._recv.cancel()
+        while (batch := self._chan.try_recv(CoreOutputBatch)) is not None:
+            self._backlog.append(batch)
+        reason = self._owner.exit_reason() if self._owner is not None else None
+        self._die(reason or f"the engine core process (pid {self.pid}) exited")
+
+    def _die(self, error: str) -> None:
+        if self.dead_error is None:
+            self.dead_error = error
+            if not self._closed:
+                logger.error("engine core is dead: %s", error)
+
+    # -- leaving -------------------------------------------------------------------------
+    def detach(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+        if self._arx is not None:  # the receiving socket's asyncio twin: closing it closes the socket
+            self._arx.close(linger=0)
+            self._arx = None
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the core if this client owns it, else tell it this front end is leaving."""
+        if self._closed:
+            return
+        if self._owner is None and self.dead_error is None:
+            self._chan.send(CoreInput(client_index=self.client_index, goodbye=True))
+        self._closed = True
+        if self._owner is not None:
+            self._owner.shutdown(timeout_s)
+        self.dead_error = self.dead_error or "the engine core was shut down"
+        self._chan.close(linger_s=0.0 if self._owner is not None else 1.0)
+        self._ctx.term()
+
+
+class _ProcessWatch:
+    """Calls ``on_exit`` on the running loop once process ``pid`` has exited: through a pidfd
+    where the OS has them (Linux 5.3+; a zombie counts as exited), else by polling."""
+
+    def __init__(self, pid: int, on_exit: Callable[[], None]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._on_exit = on_exit
+        self._fd: Optional[int] = None
+        self._task: Optional[asyncio.Task] = None
+        try:
+            self._fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            self._task = self._loop.create_task(self._poll(pid))
+        else:
+            self._loop.add_reader(self._fd, self._fire)
+
+    def _fire(self) -> None:
+        if self._fd is not None or self._task is not None:
+            self.stop()
+            self._on_exit()
+
+    async def _poll(self, pid: int) -> None:
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                self._task = None
+                self._on_exit()
+                return
+            except PermissionError:
+                pass
+            await asyncio.sleep(_POLL_S)
+
+    def stop(self) -> None:
+        """Stop watching (idempotent)."""
+        if self._fd is not None:
+            self._loop.remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = None
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None

@@ -1,15 +1,22 @@
 """The engine core's busy loop, shared by the in-thread and the separate-process core.
 
 One iteration: take every message that has arrived (without waiting while there is work;
-waiting when idle), apply its adds and aborts, run one ``EngineCore.step()``, and send a
-``CoreOutputBatch`` if the step produced outputs. The loop also sends one when it goes
-idle, so a freed request's blocks show in /metrics at once.
+waiting when idle), apply its adds and aborts, run one ``EngineCore.step()``, and send each
+front end whose requests produced outputs one ``CoreOutputBatch`` with them. The loop also
+sends every front end a batch when it goes idle, so a freed request's blocks show in
+/metrics at once.
 
-A heartbeat thread sends an empty batch every ``heartbeat_s`` with ``busy_s``, how long the
-current step has been running. So the front end tells apart a core that is frozen or gone
-(no message at all) from one inside a long step (heartbeats, ``busy_s`` growing), and can
-call a step hung once ``busy_s`` passes its limit, however long a legitimate step takes
-on a slow machine. Transport is two callables, so a thread and a process share this code.
+Several front ends may share one core (the API-server processes of ``tandem serve
+--api-server-count N``): each says ``hello`` with its ``client_index`` first, the core
+remembers which front end added each request, and routes every output to that front end
+only. A front end that leaves says ``goodbye``: its requests are aborted.
+
+A heartbeat thread sends every front end an empty batch every ``heartbeat_s`` with the
+newest stats and ``busy_s``, how long the current step has been running. So a front end
+tells apart a core that is frozen or gone (no message at all) from one inside a long step
+(heartbeats, ``busy_s`` growing), and can call a step hung once ``busy_s`` passes its limit,
+however long a legitimate step takes on a slow machine. Transport is two callables, so a
+thread and a process share this code.
 """
 from __future__ import annotations
 
@@ -20,16 +27,15 @@ import traceback
 from typing import Callable, Optional
 
 from tandem.engine.engine_core import EngineCore
-from tandem.engine.messages import CoreInput, CoreOutputBatch
+from tandem.engine.messages import DEFAULT_HEARTBEAT_S, CoreInput, CoreOutputBatch, CoreStats
 from tandem.types.engine_output import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HEARTBEAT_S = 1.0
-
 # recv(timeout_s) returns the next message, or None when none arrived within the timeout.
 Receive = Callable[[float], Optional[CoreInput]]
-Send = Callable[[CoreOutputBatch], None]
+# send(client_index, batch) delivers a batch to one front end.
+Send = Callable[[int, CoreOutputBatch], None]
 
 
 class EngineCoreLoop:
@@ -41,13 +47,20 @@ class EngineCoreLoop:
         self._send_lock = threading.Lock()  # the loop and the heartbeat thread both send
         self.heartbeat_s = heartbeat_s
         self.idle_seconds = 0.0
+        self.clients: list[int] = []  # front ends that said hello, in order
+        self._owner: dict[str, int] = {}  # request id -> the front end that added it
+        self._stats: CoreStats = core.make_stats()
         self._step_started: Optional[float] = None
         self._stop_heartbeat = threading.Event()
         core.track_queue_times = True
 
-    def send(self, batch: CoreOutputBatch) -> None:
+    def send(self, client: int, batch: CoreOutputBatch) -> None:
         with self._send_lock:
-            self._send(batch)
+            self._send(client, batch)
+
+    def send_all(self, batch: CoreOutputBatch) -> None:
+        for client in list(self.clients):
+            self.send(client, batch)
 
     def run(self) -> None:
         """Loop until a shutdown message; a failure is sent as a fatal batch, then re-raised."""
@@ -59,7 +72,7 @@ class EngineCoreLoop:
             msg = "".join(traceback.format_exception_only(type(e), e)).strip()
             logger.error("engine core loop failed: %s", msg)
             try:
-                self.send(CoreOutputBatch([], self.core.make_stats(self.idle_seconds), fatal_error=msg))
+                self.send_all(CoreOutputBatch([], self.core.make_stats(self.idle_seconds), fatal_error=msg))
             except Exception:
                 logger.exception("could not report the engine core failure")
             raise
@@ -70,7 +83,8 @@ class EngineCoreLoop:
     def _heartbeat(self) -> None:
         while not self._stop_heartbeat.wait(self.heartbeat_s):
             started = self._step_started
-            self.send(CoreOutputBatch([], None, busy_s=0.0 if started is None else time.monotonic() - started))
+            busy = 0.0 if started is None else time.monotonic() - started
+            self.send_all(CoreOutputBatch([], self._stats, heartbeat=True, busy_s=busy))
 
     def _run(self) -> None:
         changed = False  # something happened since the last batch that the stats should show
@@ -92,20 +106,57 @@ class EngineCoreLoop:
                 outputs += self.core.step()
                 self._step_started = None
                 changed = True
-            if outputs or (changed and not self.core.has_work()):
-                self.send(CoreOutputBatch(outputs, self.core.make_stats(self.idle_seconds)))
+            went_idle = changed and not self.core.has_work()
+            if outputs or went_idle:
+                self._stats = self.core.make_stats(self.idle_seconds)
+                self._publish(outputs, everyone=went_idle)
                 changed = False
+
+    def _publish(self, outputs: list[EngineCoreOutput], everyone: bool) -> None:
+        """One batch per front end with outputs (every front end if ``everyone``), routed by owner."""
+        owner = self._owner
+        if len(self.clients) == 1:
+            by_client = {self.clients[0]: outputs}
+        else:
+            by_client = {c: [] for c in self.clients} if everyone else {}
+            for out in outputs:
+                by_client.setdefault(owner.get(out.req_id, 0), []).append(out)
+        for out in outputs:
+            if out.finish_reason is not None:
+                owner.pop(out.req_id, None)
+        for client, outs in by_client.items():
+            if outs or everyone:
+                self.send(client, CoreOutputBatch(outs, self._stats))
 
     def _apply(self, msg: CoreInput) -> list[EngineCoreOutput]:
         """Aborts first, so a finished id may be aborted and reused in one message (the front
         end drops the add of a request aborted before it was sent); a request the core
         refuses ends at once with an error instead of failing the loop."""
+        client = msg.client_index
+        if client not in self.clients:  # hello (or a first message): heartbeats start now
+            self.clients.append(client)
+        if msg.goodbye:  # the front end is leaving: nothing of its own may keep running
+            mine = [rid for rid, c in self._owner.items() if c == client]
+            msg.aborts += mine
         if msg.aborts:
             self.core.abort_requests(msg.aborts)
+            for rid in msg.aborts:
+                self._owner.pop(rid, None)
+        if msg.goodbye:
+            self.clients.remove(client)
         refused = []
         for r in msg.adds:
+            if r.request_id in self._owner:
+                refused.append(EngineCoreOutput(r.request_id, [], finish_reason="error",
+                                                error=f"request id {r.request_id!r} is already running"))
+                continue
             try:
                 self.core.add_request(r.to_request())
             except ValueError as e:
                 refused.append(EngineCoreOutput(r.request_id, [], finish_reason="error", error=str(e)))
-        return refused
+                continue
+            self._owner[r.request_id] = client
+        for out in refused:  # routed to the sender, though it never became the request's owner
+            if client in self.clients:
+                self.send(client, CoreOutputBatch([out], self._stats))
+        return []

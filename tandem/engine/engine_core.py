@@ -72,11 +72,12 @@ class EngineCore:
         self.depth = config.max_concurrent_batches
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self.stats = LoopStats()
-        # Arrival time of requests not scheduled yet, for the queue-time histogram. Only a
-        # serving loop reads the queue times (``make_stats``), so only it turns this on.
+        # For the queue-time histogram: arrival times of requests not scheduled yet, then the
+        # wait of each scheduled request until its first output carries it. Only a serving
+        # loop reports queue times, so only it turns this on.
         self.track_queue_times = False
         self._arrivals: dict[str, float] = {}
-        self._queue_times: list[float] = []
+        self._queue_times: dict[str, float] = {}
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -89,18 +90,18 @@ class EngineCore:
         self.scheduler.abort_requests(req_ids)
         for rid in req_ids:
             self._arrivals.pop(rid, None)
+            self._queue_times.pop(rid, None)
 
     def make_stats(self, idle_seconds: float = 0.0) -> CoreStats:
-        """A snapshot for /metrics; hands over (and forgets) the queue times gathered so far."""
+        """A snapshot for /metrics."""
         kv, sched = self.kv_cache, self.scheduler
-        queue_times, self._queue_times = self._queue_times, []
         return CoreStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             num_kv_blocks=kv.num_blocks, num_free_kv_blocks=kv.num_free_blocks,
             prefix_cache_queries=kv.stats_queries, prefix_cache_hits=kv.stats_hits,
             num_preemptions=sched.stats.num_preemptions,
             num_steps_launched=self.stats.num_launched, num_steps_launched_ahead=self.stats.num_launched_ahead,
-            num_step_errors=self.stats.num_errors, idle_seconds=idle_seconds, queue_times=queue_times,
+            num_step_errors=self.stats.num_errors, idle_seconds=idle_seconds,
         )
 
     def has_work(self) -> bool:
@@ -135,7 +136,15 @@ class EngineCore:
             if sr.new is not None:
                 t = self._arrivals.pop(sr.req_id, None)
                 if t is not None:
-                    self._queue_times.append(now - t)
+                    self._queue_times[sr.req_id] = now - t
+
+    def _attach_queue_times(self, outs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Each request's first output carries how long it waited to be scheduled."""
+        for out in outs:
+            t = self._queue_times.pop(out.req_id, None)
+            if t is not None:
+                out.queue_time = t
+        return outs
 
     def _complete_oldest(self) -> list[EngineCoreOutput]:
         so, fut = self.batch_queue[0]
@@ -149,7 +158,8 @@ class EngineCore:
         with deferred_sigint():
             self.batch_queue.popleft()
             self.stats.num_completed += 1
-            return self.scheduler.update_from_output(so, result)
+            outs = self.scheduler.update_from_output(so, result)
+            return self._attach_queue_times(outs) if self._queue_times else outs
 
     def _fail_inflight(self, so: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
         """Later in-flight steps consumed this step's (missing) tokens: fail them too."""
@@ -164,7 +174,7 @@ class EngineCore:
             except Exception:
                 pass
             outs += self.scheduler.fail_step(later, msg)
-        return outs
+        return self._attach_queue_times(outs)
 
     def drain(self) -> list[EngineCoreOutput]:
         """Complete every in-flight step (used at shutdown and by tests)."""

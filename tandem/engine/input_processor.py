@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from tandem.config import EngineConfig, ModelConfig
+from tandem.config import EngineConfig, ModelInfo
 from tandem.engine.messages import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
 
@@ -33,12 +33,12 @@ def child_request_id(request_id: str, n: int, index: int) -> str:
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any) -> None:
+    def __init__(self, config: EngineConfig, model: ModelInfo, tokenizer: Any) -> None:
         self.config = config
-        self.model_config = model_config
+        self.model = model
         self.tokenizer = tokenizer
-        self.max_model_len = model_config.max_model_len
-        self.eos_token_ids = list(model_config.eos_token_ids)
+        self.max_model_len = model.max_model_len
+        self.eos_token_ids = list(model.eos_token_ids)
         # Set once the core reports its cache size: a request that could never fit is refused
         # here instead of failing inside the core.
         self.num_kv_blocks: Optional[int] = None
@@ -47,13 +47,14 @@ class InputProcessor:
         return self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            chat_template: Optional[str] = None) -> list[int]:
-        """Token ids of a conversation, through the tokenizer's template (or ``chat_template``)."""
+                            chat_template: Optional[str] = None, **template_kwargs: Any) -> list[int]:
+        """Token ids of a conversation, through the tokenizer's template (or ``chat_template``);
+        ``template_kwargs`` reach the template (``tools``, ``continue_final_message``, ...)."""
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; give one (--chat-template) "
                              "or send plain prompts")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False, chat_template=chat_template)
+                                                  tokenize=False, chat_template=chat_template, **template_kwargs)
         return self.tokenize(text, add_special_tokens=False)
 
     def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> ProcessedRequest:
@@ -81,7 +82,7 @@ class InputProcessor:
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
+        vocab = self.model.vocab_size
         if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:

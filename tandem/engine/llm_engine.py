@@ -31,7 +31,7 @@ class RequestError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model_config: Optional[ModelConfig] = None) -> None:
-        from tandem.models.loader import load_tokenizer
+        from tandem.tokenizer import load_tokenizer
         from tandem.models.model_config import resolve_model_config
 
         self.config = config
@@ -39,7 +39,7 @@ class LLMEngine:
         self.max_model_len = self.model_config.max_model_len
         self.tokenizer = load_tokenizer(self.model_config.tokenizer)
         self.core = EngineCore(config, self.model_config)
-        self.input_processor = InputProcessor(config, self.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(config, self.model_config.info, self.tokenizer)
         self.input_processor.num_kv_blocks = self.core.kv_cache.num_blocks
         self.output_processor = OutputProcessor(self.tokenizer, config.enable_prefix_caching)
 

@@ -1,19 +1,26 @@
-"""The plain data that crosses between the front end and the engine core (thread or process).
+"""The plain data that crosses between a front end and the engine core (thread or process).
 
-Both directions are batched: the front end sends one ``CoreInput`` with every request added
-or aborted since its last message; the core sends one ``CoreOutputBatch`` per step that
-produced outputs, carrying every request's ``EngineCoreOutput`` plus a ``CoreStats``
-snapshot for /metrics, and a heartbeat batch every second. Everything here is ids, numbers,
-lists and dataclasses, so it can be encoded for a typed channel unchanged.
+Both directions are batched: a front end sends one ``CoreInput`` with every request added
+or aborted since its last message; the core sends each front end one ``CoreOutputBatch``
+per step in which that front end's requests produced outputs (a server may run several
+API-server processes, each a front end with its own ``client_index``), carrying those
+requests' ``EngineCoreOutput``s and a ``CoreStats`` snapshot for /metrics, plus a heartbeat
+every second. Everything here is a msgspec struct of ids, numbers and lists (the sampling
+parameters travel as their validated fields), so a front end decodes a step's batch in one
+call into typed objects, with no per-field Python code.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
+
+import msgspec
 
 from tandem.sampling_params import SamplingParams
 from tandem.types.engine_output import EngineCoreOutput
 from tandem.types.request import Request
+
+
+DEFAULT_HEARTBEAT_S = 1.0  # how often the core tells each front end it is alive
 
 
 class EngineDeadError(RuntimeError):
@@ -24,8 +31,7 @@ class EngineStartError(RuntimeError):
     """The engine core could not start (its error, with the core's traceback, is the message)."""
 
 
-@dataclass
-class EngineCoreRequest:
+class EngineCoreRequest(msgspec.Struct):
     """One core request, as the input processor built it (a child of an ``n > 1`` request is one too)."""
 
     request_id: str
@@ -40,21 +46,28 @@ class EngineCoreRequest:
                        self.max_tokens, self.sample_seed)
 
 
-@dataclass
-class CoreInput:
-    """Front end -> core: everything to add or abort since the last message."""
+class CoreInput(msgspec.Struct):
+    """Front end -> core: everything to add or abort since the last message.
 
-    adds: list[EngineCoreRequest] = field(default_factory=list)
-    aborts: list[str] = field(default_factory=list)
+    ``client_index`` says which front end sent it, so the core sends that front end, and only
+    it, its requests' outputs. A front end's first message says ``hello`` (the core starts
+    sending it heartbeats) and its last, if it leaves before the core stops, ``goodbye`` (the
+    core aborts what it still has running and stops sending to it)."""
+
+    adds: list[EngineCoreRequest] = msgspec.field(default_factory=list)
+    aborts: list[str] = msgspec.field(default_factory=list)
     shutdown: bool = False
+    client_index: int = 0
+    hello: bool = False
+    goodbye: bool = False
 
     def __bool__(self) -> bool:
-        return bool(self.adds or self.aborts or self.shutdown)
+        return bool(self.adds or self.aborts or self.shutdown or self.hello or self.goodbye)
 
 
-@dataclass
-class CoreStats:
-    """A snapshot of the core after a step. Counters are totals since the core started."""
+class CoreStats(msgspec.Struct, array_like=True):
+    """A snapshot of the core after a step. Counters are totals since the core started, so
+    any front end can report the whole server's numbers from its latest snapshot."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -68,20 +81,19 @@ class CoreStats:
     num_steps_launched_ahead: int = 0
     num_step_errors: int = 0
     idle_seconds: float = 0.0  # time the loop waited for input with no work to do
-    # Seconds each request spent waiting before it was first scheduled, since the last batch.
-    queue_times: list[float] = field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:
         return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
 
 
-@dataclass
-class CoreOutputBatch:
-    """Core -> front end: one step's outputs and a stats snapshot, or (``stats`` None) a heartbeat."""
+class CoreOutputBatch(msgspec.Struct, array_like=True):
+    """Core -> one front end: one step's outputs of its requests and a stats snapshot; or a
+    heartbeat (``heartbeat``: no outputs, the newest snapshot, ``busy_s``)."""
 
     outputs: list[EngineCoreOutput]
-    stats: Optional[CoreStats]
+    stats: CoreStats
     # Set when the core loop itself failed and is exiting: every pending request is lost.
     fatal_error: Optional[str] = None
+    heartbeat: bool = False
     busy_s: float = 0.0  # heartbeats: how long the step now running has run (0: between steps)

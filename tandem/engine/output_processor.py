@@ -178,6 +178,8 @@ class OutputProcessor:
             return
         if out.error is not None:
             state.error = out.error
+        if out.queue_time is not None:
+            result.stats.queue_times.append(out.queue_time)
         if out.prompt_logprobs and state.prompt_logprobs is not None and child.index == 0:
             n = child.params.prompt_logprobs or 0
             state.prompt_logprobs.extend(self._convert_logprobs(lp, n) for lp in out.prompt_logprobs)

@@ -28,6 +28,7 @@ class IterationStats:
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
+    queue_times: list[float] = field(default_factory=list)  # seconds each newly scheduled request waited
     finished: list[FinishedRequestStats] = field(default_factory=list)
 
 

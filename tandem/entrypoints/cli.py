@@ -218,9 +218,9 @@ def _prompt_token_ids(a: argparse.Namespace, config: EngineConfig, model_config:
                       rows: list[tuple[str, dict[str, Any]]], params: list[SamplingParams]) -> list[list[int]]:
     """Tokenize every prompt and check it with the engine's own rules, before the weights load."""
     from tandem.engine.input_processor import InputProcessor
-    from tandem.models.loader import load_tokenizer
+    from tandem.tokenizer import load_tokenizer
 
-    inputs = InputProcessor(config, model_config, load_tokenizer(model_config.tokenizer))
+    inputs = InputProcessor(config, model_config.info, load_tokenizer(model_config.tokenizer))
     ids = []
     for k, ((where, row), sp) in enumerate(zip(rows, params)):
         try:
@@ -237,7 +237,8 @@ def _prompt_token_ids(a: argparse.Namespace, config: EngineConfig, model_config:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from tandem.entrypoints.llm import LLM, prepare_model
+    from tandem.engine.prepare import prepare_model
+    from tandem.entrypoints.llm import LLM
 
     config = EngineConfig.from_cli_args(a)
     rows = _collect_rows(a)

@@ -19,6 +19,12 @@ differ per direction, so a message cannot be reflected back to its sender as if 
 had sent it.
 Replays are left to the protocol above (the executor's calls carry sequence numbers).
 
+One end may talk to several peers (the engine core serves several API-server processes):
+it receives from all of them on its one bound socket and sends to each through a socket of
+its own, ``connect(address)`` giving the peer's index for ``send(msg, peer)``. Every sender
+to an address shares that address's key, so the receiver knows a message came from a
+holder of the secret, and the protocol's messages say which peer sent them.
+
 Thread use: ``send`` may be called from one thread and ``recv``/``try_recv`` from another
 (they use different sockets), but neither from two threads at once.
 """
@@ -28,7 +34,7 @@ import hashlib
 import hmac
 import logging
 import time
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional, Sequence, TypeVar
 
 from tandem.ipc.codec import decode, encode
 
@@ -48,47 +54,80 @@ def _direction_key(secret: bytes, receiving_address: str) -> bytes:
 
 class Channel:
     """One end of a pipe: receives on ``local`` (bound here), sends to ``remote`` (the
-    peer's ``local``). Both ends must name the two addresses identically and share
-    ``secret``. ``max_message_bytes`` bounds what a stranger can make us buffer."""
+    peer's ``local``; more peers with ``connect``). Both ends must name the two addresses
+    identically and share ``secret``. ``max_message_bytes`` bounds what a stranger can make
+    us buffer."""
 
-    def __init__(self, ctx: Any, secret: bytes, local: str, remote: str,
+    def __init__(self, ctx: Any, secret: bytes, local: str, remote: Optional[str | Sequence[str]] = None,
                  max_message_bytes: int = 1 << 30) -> None:
         import zmq
 
         self._zmq = zmq
-        self.local, self.remote = local, remote
+        self._ctx = ctx
+        self._secret = secret
+        self.local = local
         self._recv_key = _direction_key(secret, local)
-        self._send_key = _direction_key(secret, remote)
+        self._peers: list[tuple[Any, bytes]] = []  # (PUSH socket, key) per peer
+        self.remotes: list[str] = []
         self.rejected = 0
         self._rx = ctx.socket(zmq.PULL)
-        self._tx = ctx.socket(zmq.PUSH)
         try:
             self._rx.setsockopt(zmq.LINGER, 0)
             self._rx.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
             self._rx.bind(local)
-            self._tx.setsockopt(zmq.LINGER, 0)
-            self._tx.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_MS)
-            self._tx.connect(remote)
+            for address in [remote] if isinstance(remote, str) else (remote or []):
+                self.connect(address)
         except BaseException:
             self.close()
             raise
+
+    @property
+    def remote(self) -> str:
+        """The first peer's address."""
+        return self.remotes[0]
+
+    def connect(self, remote: str) -> int:
+        """Add a peer (its ``local`` address); returns its index for ``send``."""
+        zmq = self._zmq
+        tx = self._ctx.socket(zmq.PUSH)
+        try:
+            tx.setsockopt(zmq.LINGER, 0)
+            tx.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_MS)
+            tx.connect(remote)
+        except BaseException:
+            tx.close(linger=0)
+            raise
+        self._peers.append((tx, _direction_key(self._secret, remote)))
+        self.remotes.append(remote)
+        return len(self._peers) - 1
 
     @property
     def socket(self) -> Any:
         """The receiving socket, to register with a ``zmq.Poller`` that watches several channels."""
         return self._rx
 
-    def send(self, msg: Any) -> None:
+    def send(self, msg: Any, peer: int = 0) -> None:
         """Encode ``msg`` (see ``tandem.ipc.codec``) and queue it for the peer; never waits
         for the peer to be there (ZeroMQ queues until it connects). ``None`` is not a
         message: ``try_recv`` uses it to say "nothing waiting"."""
         if msg is None:
             raise ValueError("cannot send None as a message")
-        self.send_encoded(encode(msg))
+        self.send_encoded(encode(msg), peer)
 
-    def send_encoded(self, payload: bytes) -> None:
-        """Send a message already encoded with ``tandem.ipc.encode`` (to encode once for many peers)."""
-        self._tx.send(hmac.digest(self._send_key, payload, "sha256") + payload, copy=False)
+    def send_encoded(self, payload: bytes, peer: int = 0, block: bool = True) -> bool:
+        """Send a message already encoded with ``tandem.ipc.encode`` (to encode once for many
+        peers). With ``block=False`` a message that the peer's full queue cannot take (the
+        peer is gone or stuck) is dropped instead of waited on: returns False."""
+        tx, key = self._peers[peer]
+        frame = hmac.digest(key, payload, "sha256") + payload
+        if block:
+            tx.send(frame, copy=False)
+            return True
+        try:
+            tx.send(frame, self._zmq.NOBLOCK, copy=False)
+        except self._zmq.Again:
+            return False
+        return True
 
     def try_recv(self, tp: type[T] | Any = Any) -> Optional[T]:
         """The next authentic message decoded as ``tp``, or None if none is waiting.
@@ -99,7 +138,7 @@ class Channel:
                 frames = self._rx.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return None
-            payload = self._authentic(frames)
+            payload = self.authentic(frames)
             if payload is not None:
                 return decode(payload, tp)
 
@@ -114,8 +153,10 @@ class Channel:
             if not self._rx.poll(wait_ms) and deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"no message on {self.local} within {timeout_s:g} s")
 
-    def _authentic(self, frames: list[bytes]) -> Optional[memoryview]:
-        """The payload of a message that carries a valid MAC, else None (and counted)."""
+    def authentic(self, frames: list[bytes]) -> Optional[memoryview]:
+        """The payload of a received message (its frames, as the socket gave them) that
+        carries a valid MAC, else None (and counted). For receivers that read the socket
+        themselves, e.g. through asyncio."""
         if len(frames) == 1 and len(frames[0]) >= _MAC_BYTES:
             frame = memoryview(frames[0])
             payload = frame[_MAC_BYTES:]
@@ -131,4 +172,5 @@ class Channel:
         """Close both sockets. ``linger_s`` lets queued outgoing messages flush (a last
         reply); 0 drops them, so closing never blocks. Idempotent."""
         self._rx.close(linger=0)
-        self._tx.close(linger=int(linger_s * 1000))
+        for tx, _ in self._peers:
+            tx.close(linger=int(linger_s * 1000))

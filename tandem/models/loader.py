@@ -250,15 +250,6 @@ def load_hf_config(folder: str) -> Any:
     return AutoConfig.from_pretrained(folder, local_files_only=True)
 
 
-@functools.lru_cache(maxsize=4)
-def load_tokenizer(folder: str) -> Any:
-    """The folder's (fast) tokenizer, loaded once per folder (resolving the model config
-    reads its EOS id; the front end then uses the same object)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder, use_fast=True, local_files_only=True)
-
-
 def _safetensors_files(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):

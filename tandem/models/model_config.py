@@ -10,7 +10,8 @@ import logging
 from typing import Any
 
 from tandem.config import EngineConfig, EnvSwitches, ModelConfig
-from tandem.models.loader import default_model_path, load_hf_config, load_tokenizer, resolve_model
+from tandem.models.loader import default_model_path, load_hf_config, resolve_model
+from tandem.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -6,21 +6,27 @@ they cross from the engine-core process to the front end, in batches, once per s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
+
+import msgspec
 
 from tandem.types.runner_output import SampledLogprobs
 
 
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one request."""
+class EngineCoreOutput(msgspec.Struct, array_like=True):
+    """What one step produced for one request.
+
+    A msgspec struct encoded as an array (no field names on the wire): a serving front end
+    decodes one per running request per step, which is the bulk of what it reads."""
 
     req_id: str
     new_token_ids: list[int]
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
-    logprobs: list[SampledLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[SampledLogprobs] = field(default_factory=list)
+    logprobs: list[SampledLogprobs] = msgspec.field(default_factory=list)
+    prompt_logprobs: list[SampledLogprobs] = msgspec.field(default_factory=list)
     num_cached_tokens: int = 0
     error: Optional[str] = None
+    # Seconds the request waited before it was first scheduled: set on its first output,
+    # when the engine tracks queue times (a server does, for /metrics).
+    queue_time: Optional[float] = None

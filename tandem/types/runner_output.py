@@ -4,10 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import msgspec
 
-@dataclass
-class SampledLogprobs:
-    """Top-n logprobs at one position: column 0 is the sampled (or prompt) token."""
+
+class SampledLogprobs(msgspec.Struct, array_like=True):
+    """Top-n logprobs at one position: column 0 is the sampled (or prompt) token.
+
+    A msgspec struct (encoded as an array): one per request per step crosses to the front
+    end when logprobs are asked for, so it decodes cheaply there."""
 
     token_ids: list[int]
     logprobs: list[float]

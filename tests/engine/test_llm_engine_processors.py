@@ -28,7 +28,7 @@ def tok():
 
 
 def processors(tok, share: bool = True, num_kv_blocks: int = 100) -> tuple[InputProcessor, OutputProcessor]:
-    ip = InputProcessor(EngineConfig(block_size=4, max_logprobs=5), MODEL, tok)
+    ip = InputProcessor(EngineConfig(block_size=4, max_logprobs=5), MODEL.info, tok)
     ip.num_kv_blocks = num_kv_blocks
     return ip, OutputProcessor(tok, share_prompt_blocks=share)
 

@@ -43,7 +43,7 @@ class Case:
     must: str  # words the message must contain
     argv: Optional[list[str]] = None  # CLI cases
     code: Optional[str] = None  # API cases (run exactly as shown)
-    setup: set[str] = field(default_factory=set)  # "no_cuda", "default_model", "process", "sigint"
+    setup: set[str] = field(default_factory=set)  # "no_cuda", "default_model", "process", "sigint", "serve"
 
 
 def cli_case(what: str, must: str, *argv: str, setup: tuple[str, ...] = ()) -> Case:
@@ -104,6 +104,13 @@ CASES = [
     cli_case("--executor uniproc with 2 ranks", "uniproc executor runs one rank", *TINY, "--executor", "uniproc",
              "--tensor-parallel-size", "2"),
     cli_case("misspelt flag", "did you mean '--max-num-seqs'", *TINY, "--max-num-seq", "3"),
+    # -- server flags (tandem serve) -------------------------------------------------------------
+    cli_case("--api-server-count 0", "--api-server-count must be >= 1", *TINY, "--api-server-count", "0",
+             setup=("serve",)),
+    cli_case("--api-server-count -1", "--api-server-count must be >= 1", *TINY, "--api-server-count", "-1",
+             setup=("serve",)),
+    cli_case("--api-server-count not a number", "--api-server-count must be a whole number >= 1 or 'auto'", *TINY,
+             "--api-server-count", "x", setup=("serve",)),
     # -- sampling flags --------------------------------------------------------------------------
     cli_case("--temperature nan", "temperature must be a finite number", *TINY, "--temperature", "nan"),
     cli_case("--top-p inf", "top_p must be a finite number", *TINY, "--top-p", "inf"),
@@ -282,8 +289,8 @@ def _setup(case: Case, monkeypatch, tmp_path: Path) -> None:
             pytest.skip(str(e))
 
 
-def _run_in_process(argv: list[str], capsys) -> tuple[int, str]:
-    rc = cli.main(["generate", "--quiet", *argv])
+def _run_in_process(argv: list[str], capsys, command: str = "generate") -> tuple[int, str]:
+    rc = cli.main([command, *argv] if command == "serve" else [command, "--quiet", *argv])
     return rc, capsys.readouterr().err
 
 
@@ -311,7 +318,7 @@ def test_cli_case(case, files, capsys, monkeypatch, tmp_path):
     if "process" in case.setup:
         rc, err = _run_process(argv, "sigint" in case.setup)
     else:
-        rc, err = _run_in_process(argv, capsys)
+        rc, err = _run_in_process(argv, capsys, "serve" if "serve" in case.setup else "generate")
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.strip() and "Processed prompts" not in line]
     errors = [line for line in lines if line.startswith("error: ")]
@@ -368,7 +375,7 @@ def render(files: dict[str, str]) -> str:
     for i, case in enumerate(CASES, 1):
         result, message = RESULTS[case_id(case)]
         if case.argv is not None:
-            where = "CLI (process)" if "process" in case.setup else "CLI"
+            where = "CLI (process)" if "process" in case.setup else "`tandem serve`" if "serve" in case.setup else "CLI"
             argv = case.argv[len(TINY):] if case.argv[:len(TINY)] == TINY else case.argv
             shown = f"{case.what}: `{_shell(argv)}`"
         else:
@@ -385,7 +392,8 @@ def render(files: dict[str, str]) -> str:
         "still answers afterwards, and that each message names the problem. Regenerate with",
         "`TANDEM_REGEN_DOCS=1 python3 -m pytest -q tests/entrypoints/test_bad_inputs.py`.",
         "",
-        "CLI inputs are the flags after `tandem generate --quiet`, preceded by",
+        "CLI inputs are the flags after `tandem generate --quiet` (`tandem serve` where the table says so),",
+        "preceded by",
         "`--model <tiny-model> --num-kv-blocks 256` unless the case gives its own model flags.",
         "`<tiny-model>` is a tiny random Llama (word tokenizer `t0`..`t127`, context 512, no chat",
         "template); without `--model` the embedded SmolLM2-135M-Instruct is used.",

@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from tandem.layers.attention import AttentionMetadata, set_forward_context
 from tandem.models import loader
+from tandem.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -448,7 +449,7 @@ def smollm2() -> tuple[str, torch.nn.Module, torch.nn.Module, Any]:
     assert loader.resolve_model(loader.default_model_path()) == folder  # cached: same folder, no reconversion
     ours = loader.load_model(folder, torch.float32, "cpu")
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
-    return folder, ours, hf, loader.load_tokenizer(folder)
+    return folder, ours, hf, load_tokenizer(folder)
 
 
 def _chat_ids(tok: Any, text: str) -> list[int]:

@@ -50,8 +50,9 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+            try:  # healthy, and every API-server process up (the launcher says "serving" last)
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200 \
+                        and "tandem: serving" in self.log.read_text():
                     return
             except httpx.HTTPError:
                 pass

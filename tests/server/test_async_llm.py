@@ -14,6 +14,7 @@ from proc_utils import pid_alive
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tandem.engine.async_llm import AsyncLLM
+from tandem.engine.inproc_client import start_inproc
 from tandem.engine.messages import EngineDeadError
 
 pytestmark = pytest.mark.timeout(300)
@@ -56,7 +57,8 @@ def reference(tiny_llama):
 @pytest.mark.parametrize("core", ["thread", "process"])
 def test_same_outputs_as_offline(tiny_llama, reference, core):
     async def main():
-        engine = AsyncLLM(EngineConfig(model=tiny_llama, **ENGINE), engine_core=core)
+        config = EngineConfig(model=tiny_llama, **ENGINE)
+        engine = AsyncLLM.start(config) if core == "process" else start_inproc(config)
         try:
             outs = await run_all(engine)
             assert all(o.finished and o.error is None for o in outs)
@@ -69,7 +71,7 @@ def test_same_outputs_as_offline(tiny_llama, reference, core):
 
 def test_abort_frees_blocks_and_stop_strings_stop_the_core(tiny_llama):
     async def main():
-        engine = AsyncLLM(EngineConfig(model=tiny_llama, **ENGINE), engine_core="thread")
+        engine = start_inproc(EngineConfig(model=tiny_llama, **ENGINE))
         try:
             n = 0
             async for _ in engine.generate("long", [5, 6], SamplingParams(max_tokens=200, ignore_eos=True)):
@@ -104,8 +106,7 @@ async def wait_idle(engine: AsyncLLM, timeout_s: float = 5.0) -> None:
 
 def test_bad_requests_are_refused_before_the_core(tiny_llama):
     async def main():
-        engine = AsyncLLM(EngineConfig(model=tiny_llama, max_model_len=256, num_kv_blocks=4, block_size=16),
-                          engine_core="thread")
+        engine = start_inproc(EngineConfig(model=tiny_llama, max_model_len=256, num_kv_blocks=4, block_size=16))
         try:
             with pytest.raises(ValueError, match="max_model_len"):
                 engine.add_request("a", [5] * 300, SamplingParams())
@@ -123,7 +124,7 @@ def test_bad_requests_are_refused_before_the_core(tiny_llama):
 
 def test_killed_core_fails_every_pending_request(tiny_llama):
     async def main():
-        engine = AsyncLLM(EngineConfig(model=tiny_llama, **ENGINE))
+        engine = AsyncLLM.start(EngineConfig(model=tiny_llama, **ENGINE))
         pid = engine.client.pid
         try:
             streams = [engine.add_request(f"k{i}", [5, 6 + i], SamplingParams(max_tokens=240, ignore_eos=True))
@@ -153,7 +154,7 @@ def test_hung_core_fails_pending_requests_and_is_killed(tiny_llama, monkeypatch)
 
     async def main():
         config = EngineConfig(model=tiny_llama, worker_cls="hang_worker.HangWorker", rpc_timeout_s=6.0, **ENGINE)
-        engine = AsyncLLM(config, hang_timeout_s=2.0)  # no message for 2 s: frozen
+        engine = AsyncLLM.start(config, hang_timeout_s=2.0)  # no message for 2 s: frozen
         pid = engine.client.pid
         try:
             slow = engine.add_request("slow", [5, 98], SamplingParams(max_tokens=2))  # a 4 s step
@@ -172,7 +173,7 @@ def test_hung_core_fails_pending_requests_and_is_killed(tiny_llama, monkeypatch)
 
 def test_shutdown_ends_live_streams(tiny_llama):
     async def main():
-        engine = AsyncLLM(EngineConfig(model=tiny_llama, **ENGINE))
+        engine = AsyncLLM.start(EngineConfig(model=tiny_llama, **ENGINE))
         pid = engine.client.pid
         stream = engine.add_request("x", [5, 6], SamplingParams(max_tokens=240, ignore_eos=True))
         await stream.__anext__()

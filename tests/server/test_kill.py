@@ -1,6 +1,6 @@
 """SIGKILL the engine-core process under load: every open request ends with an error within
-5 s, /health says 503, new requests are refused, no client hangs, and the server still
-stops cleanly with nothing left behind."""
+5 s, no client hangs, and the server (a half-alive server must not keep running) exits on
+its own with status 1 and the reason, leaving nothing behind."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +8,6 @@ import os
 import signal
 import time
 
-import httpx
 import openai
 import pytest
 
@@ -27,14 +26,11 @@ def test_engine_core_killed_under_load(slow_model, tmp_path):
         for what, after_kill in ended:
             assert what.startswith("error"), ended
             assert after_kill < 5.0, ended
-        health = httpx.get(f"{srv.url}/health", timeout=10)
-        assert health.status_code == 503
-        assert "killed by SIGKILL" in health.json()["error"]["message"]
-        refused = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "t5", "max_tokens": 2}, timeout=10)
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
+        assert srv.proc.wait(30) == 1, srv.log.read_text()
     finally:
         code = srv.stop()
-    assert code == 0, srv.log.read_text()
+    assert code == 1
+    assert "killed by SIGKILL" in srv.log.read_text()
 
 
 async def _kill_under_load(srv: ServerProcess) -> list[tuple[str, float]]:

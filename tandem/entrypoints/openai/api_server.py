@@ -6,11 +6,16 @@ an OpenAI error body naming the field, never as FastAPI's 422 list.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
+import signal
+import socket
+import sys
 import time
-from typing import AsyncContextManager, Callable, Optional, TypeVar
+from contextlib import asynccontextmanager
+from typing import AsyncContextManager, AsyncIterator, Callable, Optional, TypeVar
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ValidationError
@@ -19,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-import tandem
+from tandem._version import __version__
 from tandem.engine.async_llm import AsyncLLM
 from tandem.engine.messages import EngineDeadError
 from tandem.entrypoints.openai.chat import ChatServing
@@ -130,7 +135,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def build_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: PrometheusStatLogger,
               lifespan: Optional[Callable[[FastAPI], AsyncContextManager[None]]] = None) -> FastAPI:
-    app = FastAPI(title="tandem", version=tandem.__version__, docs_url=None, redoc_url=None, openapi_url=None,
+    app = FastAPI(title="tandem", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
     completions = CompletionServing(engine, settings)
     chat = ChatServing(engine, settings)
@@ -147,7 +152,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: Prometheu
 
     @app.get("/version")
     async def version() -> Response:
-        return JSONResponse({"version": tandem.__version__})
+        return JSONResponse({"version": __version__})
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -174,18 +179,18 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: Prometheu
             chat_req = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
             ids = chat.prompt_ids(chat_req)
         else:
-            ids = engine.input_processor.tokenize(req.prompt or "", add_special_tokens=req.add_special_tokens)
+            ids = engine.tokenize(req.prompt or "", add_special_tokens=req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         req = await parse_body(request, DetokenizeRequest)
         completions.check_model(req.model)
-        vocab = engine.model_config.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"token ids must be in [0, {vocab}), got {bad[0]}", "tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens)})
+        try:
+            text = engine.detokenize(req.tokens)
+        except ValueError as e:
+            raise bad_request(str(e), "tokens") from None
+        return JSONResponse({"prompt": text})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -195,3 +200,66 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: Prometheu
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     return app
+
+
+def serve_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: PrometheusStatLogger, sock: socket.socket, *,
+              host: str, port: int, log_level: str, shutdown_timeout_s: float,
+              on_ready: Optional[Callable[[], None]] = None, announce: bool = True, server_index: int = 0) -> int:
+    """Serve on the listening ``sock`` until SIGINT/SIGTERM (0) or until the engine core dies
+    (1, after its requests got their errors); 1 as well if uvicorn never started. The engine
+    is shut down either way."""
+    import uvicorn
+
+    name = settings.served_model_names[0]
+    dead: list[str] = []
+
+    @asynccontextmanager
+    async def lifespan(_: object) -> AsyncIterator[None]:
+        engine.begin()
+        if announce:
+            print(f"tandem: serving {name} on http://{host}:{port} (OpenAI API under /v1)", file=sys.stderr, flush=True)
+        if on_ready is not None:
+            on_ready()
+        yield
+        await engine.shutdown()
+
+    app = build_app(engine, settings, stat_logger, lifespan=lifespan)
+    # uvloop and httptools when installed (they are dependencies): the API server's CPU per
+    # streamed token bounds what the server delivers. The header says which API-server
+    # process answered (0 when there is one), at no cost per streamed chunk.
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s,
+                            headers=[("x-tandem-api-server", str(server_index))])
+    server = uvicorn.Server(config)
+
+    def on_dead(error: str) -> None:  # a half-alive server must not keep running
+        dead.append(error)
+        server.should_exit = True
+
+    engine.on_dead = on_dead
+
+    async def run() -> None:
+        try:
+            await server.serve(sockets=[sock])
+        finally:  # uvicorn never started (e.g. the port is taken): the lifespan did not stop the engine
+            await engine.shutdown()
+
+    # uvicorn handles SIGINT/SIGTERM while it serves and raises them again once it has shut
+    # down; by then everything is stopped, so these no-op handlers let the process exit 0.
+    previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if sys.version_info >= (3, 11):
+            with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+                runner.run(run())
+        else:  # pragma: no cover - Python 3.10 runs the default loop
+            asyncio.run(run())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if dead:
+        print(f"error: the engine is dead: {dead[0]}; the server stopped", file=sys.stderr, flush=True)
+        return 1
+    return 0 if server.started else 1
+
+
+def _ignore(signum: int, frame: object) -> None:
+    """Signal handler that does nothing (the server has already shut down)."""

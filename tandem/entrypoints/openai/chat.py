@@ -32,7 +32,7 @@ def chat_logprobs(c: CompletionOutput, start: int, end: int, top: int) -> Option
 class ChatServing(OpenAIServing):
     def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         try:
-            return self.engine.input_processor.apply_chat_template(
+            return self.engine.apply_chat_template(
                 [m.as_template_dict() for m in req.messages], req.add_generation_prompt, self.settings.chat_template)
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
@@ -59,7 +59,7 @@ class ChatServing(OpenAIServing):
         request_id, streams = self.start("chatcmpl", [ids], [params])
         if req.stream:
             return self.stream_response(self._stream(request_id, req.n, len(ids), streams, req.stream_options,
-                                                     top), streams)
+                                                     top))
         outputs = await self.collect(request, streams)
         if isinstance(outputs, Response):
             return outputs  # the client left, or a request failed in the engine
@@ -81,10 +81,9 @@ class ChatServing(OpenAIServing):
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         return choice
 
-    async def _stream(self, request_id: str, n: int, prompt_len: int, streams: list,
-                      options: Optional[StreamOptions], top: int) -> AsyncIterator[str]:
+    def _stream(self, request_id: str, n: int, prompt_len: int, streams: list,
+                options: Optional[StreamOptions], top: int) -> AsyncIterator[bytes]:
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created(), "model": self.model_name}
-        yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                        "finish_reason": None} for i in range(n)]})
-        async for chunk in self.stream_choices(streams, n, head, self._stream_choice(top), options, [prompt_len]):
-            yield chunk
+        role = sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                         "finish_reason": None} for i in range(n)]})
+        return self.stream_choices(streams, n, head, self._stream_choice(top), options, [prompt_len], prelude=role)

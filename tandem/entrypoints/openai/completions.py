@@ -44,7 +44,7 @@ class CompletionServing(OpenAIServing):
         prompts = req.prompt
         self.check_common(req, len(prompts))
         self._check_echo(req)
-        ids_list = [self.engine.input_processor.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids_list = [self.engine.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
         shape = _Shape(req, [], req.n)
         # Echo with logprobs scores the prompt too: its positions get as many alternatives as the output's.
         prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not req.echo else req.logprobs
@@ -53,12 +53,12 @@ class CompletionServing(OpenAIServing):
                                        req.logprobs, prompt_logprobs=prompt_logprobs) for ids in ids_list]
         request_id, streams = self.start("cmpl", ids_list, params)  # the prompts are valid from here on
         if req.echo:
-            shape.prompt_texts = [p if isinstance(p, str) else self.engine.tokenizer.decode(p) for p in prompts]
+            shape.prompt_texts = [p if isinstance(p, str) else self.engine.detokenize(p) for p in prompts]
         prompt_lens = [len(ids) for ids in ids_list]
         head = {"id": request_id, "object": "text_completion", "created": created(), "model": self.model_name}
         if req.stream:
             return self.stream_response(self.stream_choices(streams, req.n, head, self._stream_choice(shape),
-                                                            req.stream_options, prompt_lens), streams)
+                                                            req.stream_options, prompt_lens))
         outputs = await self.collect(request, streams)
         if isinstance(outputs, Response):
             return outputs  # the client left, or a request failed in the engine
@@ -103,7 +103,7 @@ class CompletionServing(OpenAIServing):
                 text_offset += len(prompt_text)
         logprobs = None
         if c.logprobs is not None:
-            logprobs = legacy_logprobs(token_ids, positions, text_offset, lambda t: self.engine.tokenizer.decode([t]))
+            logprobs = legacy_logprobs(token_ids, positions, text_offset, lambda t: self.engine.detokenize([t]))
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                 "stop_reason": stop_reason}
 

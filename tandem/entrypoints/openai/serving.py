@@ -9,13 +9,13 @@ concatenates to exactly the non-streamed text.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -39,11 +39,16 @@ class ServerSettings:
     chat_template: Optional[str] = None
 
 
-def sse(data: Any) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+_JSON = msgspec.json.Encoder()
 
 
-SSE_DONE = "data: [DONE]\n\n"
+def sse(data: Any) -> bytes:
+    """One server-sent event carrying ``data`` as compact UTF-8 JSON (msgspec: a streamed
+    token costs one of these, so no ``json.dumps`` on the hot path)."""
+    return b"data: " + _JSON.encode(data) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
 # A streamed choice's JSON from (its prompt's output, choice index, output, new text, first new
 # token, end token, characters of text sent before this chunk).
 ChoiceBuilder = Callable[[RequestOutput, int, CompletionOutput, str, int, int, int], dict[str, Any]]
@@ -205,21 +210,21 @@ class OpenAIServing:
 
     async def stream_choices(self, streams: list[RequestStream], n: int, head: dict[str, Any],
                              choice: ChoiceBuilder, options: Optional[StreamOptions],
-                             prompt_lens: list[int]) -> AsyncIterator[str]:
-        """The SSE body both endpoints stream: one chunk per engine output that moved any
-        choice (choice ``i * n + c.index`` for prompt ``i``; with ``continuous_usage_stats``
-        each with the usage so far), then the usage chunk if asked, then ``[DONE]``. An
-        engine error or a server abort ends it with an error event."""
+                             prompt_lens: list[int], prelude: Optional[bytes] = None) -> AsyncIterator[bytes]:
+        """The SSE body both endpoints stream: ``prelude`` (chat's role chunk), then one chunk
+        per engine output that moved any choice (choice ``i * n + c.index`` for prompt ``i``;
+        with ``continuous_usage_stats`` each with the usage so far), then the usage chunk if
+        asked, then ``[DONE]``. An engine error or a server abort ends it with an error
+        event. Leaving early (the client went away: the task is cancelled) aborts the
+        requests. One generator from the engine's outputs to the response: every streamed
+        token passes through it, so no layers of wrapping generators."""
         include_usage = options is not None and options.include_usage
         continuous = options is not None and options.continuous_usage
         prompt_tokens = sum(prompt_lens)
         tracker = ChoiceTracker(len(streams) * n)
         finals: dict[int, RequestOutput] = {}
-        async for i, out in self.merged(streams):
-            if out.error is not None:
-                yield self.error_event(out.error)
-                yield SSE_DONE
-                return
+
+        def chunk_of(i: int, out: RequestOutput) -> Optional[bytes]:
             choices = []
             for c in out.outputs:
                 index = i * n + c.index
@@ -227,32 +232,44 @@ class OpenAIServing:
                 d = tracker.delta(index, c)
                 if d is not None:
                     choices.append(choice(out, index, c, *d, offset))
-            if choices:
-                chunk = {**head, "choices": choices}
-                if continuous:
-                    done = sum(tracker.tokens_sent)
-                    chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
-                                      "total_tokens": prompt_tokens + done}
-                yield sse(chunk)
             if out.finished:
                 finals[i] = out
-        if len(finals) < len(streams):  # aborted by the server (shutting down): not a normal end
-            yield self.error_event(UNFINISHED)
+            if not choices:
+                return None
+            body = {**head, "choices": choices}
+            if continuous:
+                done = sum(tracker.tokens_sent)
+                body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                                 "total_tokens": prompt_tokens + done}
+            return sse(body)
+
+        try:
+            if prelude is not None:
+                yield prelude
+            single = len(streams) == 1
+            source: Any = streams[0] if single else self.merged(streams)
+            async for item in source:
+                i, out = (0, item) if single else item
+                if out.error is not None:
+                    yield self.error_event(out.error)
+                    yield SSE_DONE
+                    return
+                data = chunk_of(i, out)
+                if data is not None:
+                    yield data
+            if len(finals) < len(streams):  # aborted by the server (shutting down): not a normal end
+                yield self.error_event(UNFINISHED)
+                yield SSE_DONE
+                return
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(prompt_lens, [finals[i] for i in sorted(finals)])})
             yield SSE_DONE
-            return
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(prompt_lens, [finals[i] for i in sorted(finals)])})
-        yield SSE_DONE
+        finally:  # the client went away (the task is cancelled) or the stream ended
+            self.abort(streams)
 
-    def stream_response(self, body: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
-        async def guarded() -> AsyncIterator[str]:
-            try:
-                async for chunk in body:
-                    yield chunk
-            finally:  # the client went away (the task is cancelled) or the stream ended
-                self.abort(streams)
-
-        return StreamingResponse(guarded(), media_type="text/event-stream",
+    @staticmethod
+    def stream_response(body: AsyncIterator[bytes]) -> StreamingResponse:
+        return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @staticmethod
@@ -263,7 +280,7 @@ class OpenAIServing:
         return None
 
     @staticmethod
-    def error_event(message: str) -> str:
+    def error_event(message: str) -> bytes:
         return sse(error_body(500, message, code="engine_error"))
 
 
