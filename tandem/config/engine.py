@@ -70,6 +70,9 @@ class EngineConfig(StrictModel):
                             "the CPU path and fallback), auto (triton on CUDA when installed, else sdpa)")
     enforce_eager: bool = Field(
         False, description="never capture CUDA graphs (decode then launches every kernel from Python)")
+    structured_outputs_backend: Literal["xgrammar", "guidance"] = Field(
+        "xgrammar", description="grammar library of structured outputs (JSON schema, regex, choice, grammar): "
+                                "xgrammar or guidance (llguidance)")
 
     @field_validator("block_size")
     @classmethod

@@ -12,8 +12,20 @@ Hence the three failure modes the overlap design is known for cannot occur here:
 1. only a ``SchedulerOutput`` that was actually scheduled is ever queued or read;
 2. no early return skips the queue: a step that launches nothing always completes one, so
    a non-empty queue drains (and an empty queue with unfinished requests is reported as a
-   stall instead of spinning);
-3. every launched step has a future that resolves exactly once (the executor contract).
+   stall instead of spinning — unless some request's grammar is still compiling: then the
+   step waits, bounded, for a compilation to end);
+3. every launched step has a future that resolves exactly once (the executor contract),
+   and so has each of the two calls of a constrained step.
+
+**Constrained steps (structured outputs)** run in two calls, as in vLLM: ``execute_model``
+launches the forward pass only, and ``sample_tokens(GrammarOutput)`` applies the token
+bitmask and samples. The bitmask of a request needs every token before it, so with a step
+in flight that samples one of the step's constrained requests, sampling is deferred: the
+oldest step is completed first (its tokens advance the grammars) while the new forward
+runs, then the bitmask is filled and ``sample_tokens`` sent. Otherwise it is sent at once.
+No step is launched while another awaits its sampling call, so the worker always sees
+forward N, sample N, forward N+1, sample N+1. A step without constrained requests is one
+call, exactly as before.
 """
 from __future__ import annotations
 
@@ -23,7 +35,7 @@ import traceback
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional, cast
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.messages import CoreStats
@@ -31,6 +43,7 @@ from tandem.engine.interrupts import deferred_sigint
 from tandem.executor import Executor, create_executor
 from tandem.scheduler.kv_cache import KVCacheManager
 from tandem.scheduler.scheduler import Scheduler
+from tandem.structured_output import StructuredOutputManager
 from tandem.types.engine_output import EngineCoreOutput
 from tandem.types.request import Request
 from tandem.types.runner_output import ModelRunnerOutput
@@ -43,6 +56,21 @@ class EngineStallError(RuntimeError):
     """Unfinished requests exist but nothing can be scheduled and nothing is in flight."""
 
 
+# How long a step with nothing to run waits for a grammar to compile before returning (so a
+# serving loop still reads new messages meanwhile).
+GRAMMAR_WAIT_S = 0.05
+
+
+@dataclass
+class InFlightStep:
+    """A launched step. ``output`` resolves to its tokens; for a constrained step it is None
+    until ``sample_tokens`` is sent, and ``forward`` is the future of the forward-only call."""
+
+    so: SchedulerOutput
+    output: Optional[Future[ModelRunnerOutput]]
+    forward: Optional[Future[Any]] = None
+
+
 @dataclass
 class LoopStats:
     num_launched: int = 0
@@ -50,6 +78,10 @@ class LoopStats:
     # Steps launched while an earlier step's output was still unprocessed: the overlap.
     num_launched_ahead: int = 0
     num_errors: int = 0
+    # Constrained steps, and those whose sampling waited for an earlier step's tokens (their
+    # forward ran while the engine completed that step and filled the bitmask).
+    num_constrained: int = 0
+    num_sampling_deferred: int = 0
 
 
 class EngineCore:
@@ -69,8 +101,10 @@ class EngineCore:
             max_model_len=model_config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
+        self.structured = StructuredOutputManager(config.structured_outputs_backend, model_config.tokenizer,
+                                                  model_config.vocab_size, list(model_config.eos_token_ids))
         self.depth = config.max_concurrent_batches
-        self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        self.batch_queue: deque[InFlightStep] = deque()
         self.stats = LoopStats()
         # For the queue-time histogram: arrival times of requests not scheduled yet, then the
         # wait of each scheduled request until its first output carries it. Only a serving
@@ -81,6 +115,9 @@ class EngineCore:
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        so_params = request.sampling_params.structured_outputs
+        if so_params is not None and request.grammar is None:
+            request.grammar = self.structured.grammar_for(so_params)
         self.scheduler.add_request(request)
         if self.track_queue_times:
             self._arrivals[request.request_id] = time.monotonic()
@@ -110,7 +147,8 @@ class EngineCore:
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         launched = False
-        if len(self.batch_queue) < self.depth and self.scheduler.has_unfinished_requests():
+        if (len(self.batch_queue) < self.depth and self.scheduler.has_unfinished_requests()
+                and not self._awaiting_sampling()):
             with deferred_sigint():  # a scheduled step is always queued (tandem/engine/interrupts.py)
                 so = self.scheduler.schedule()
                 if not so.is_empty:
@@ -118,17 +156,64 @@ class EngineCore:
                         self._note_first_scheduled(so)
                     if self.batch_queue:
                         self.stats.num_launched_ahead += 1
-                    self.batch_queue.append((so, self.executor.execute_model(so)))
+                    self.batch_queue.append(self._launch(so))
                     self.stats.num_launched += 1
                     launched = True
+        outs = self.scheduler.take_outputs()  # requests ended outside a step (bad grammars)
         if self.batch_queue and (not launched or len(self.batch_queue) >= self.depth):
-            return self._complete_oldest()
+            outs += self._complete_oldest()
+            with deferred_sigint():
+                self._sample_deferred()
+            return outs
         if not launched and self.scheduler.has_unfinished_requests():
+            if self.scheduler.waiting_for_grammar:  # not a stall: wait (bounded) for a compilation
+                self.structured.wait_for_any((r.grammar for r in self.scheduler.waiting_for_grammar),  # type: ignore[misc]
+                                             GRAMMAR_WAIT_S)
+                return outs
             raise EngineStallError(
                 f"nothing schedulable and nothing in flight with {len(self.scheduler.requests)} unfinished "
                 f"requests ({self.kv_cache.num_free_blocks}/{self.kv_cache.num_blocks} KV blocks free)"
             )
-        return []
+        return outs
+
+    # -- constrained steps: forward, then sampling with the bitmask -------------------------
+    def _launch(self, so: SchedulerOutput) -> InFlightStep:
+        if not so.grammar_req_ids:  # one call: its future resolves to the output
+            return InFlightStep(so, cast("Future[ModelRunnerOutput]", self.executor.execute_model(so)))
+        step = InFlightStep(so, None, self.executor.execute_model(so))
+        self.stats.num_constrained += 1
+        if self._grammars_current(so):
+            self._sample(step)
+        else:
+            self.stats.num_sampling_deferred += 1
+        return step
+
+    def _grammars_current(self, so: SchedulerOutput) -> bool:
+        """Every constrained request of ``so`` has received all its tokens before this step's
+        (no other in-flight step samples it), so its bitmask can be filled now."""
+        return all(r.is_finished or r.num_output_placeholders <= 1
+                   for r in self.scheduler.step_requests(so.step_id, so.grammar_req_ids))
+
+    def _awaiting_sampling(self) -> bool:
+        return any(step.output is None for step in self.batch_queue)
+
+    def _sample(self, step: InFlightStep) -> None:
+        """Fill the step's bitmask and send ``sample_tokens``; a failure fails the step."""
+        so = step.so
+        try:
+            grammar = self.structured.grammar_output(
+                so.step_id, so.grammar_req_ids, self.scheduler.step_requests(so.step_id, so.grammar_req_ids))
+        except Exception as e:
+            failed: Future[ModelRunnerOutput] = Future()
+            failed.set_exception(e)
+            step.output = failed
+            return
+        step.output = self.executor.sample_tokens(grammar)
+
+    def _sample_deferred(self) -> None:
+        for step in self.batch_queue:
+            if step.output is None and self._grammars_current(step.so):
+                self._sample(step)
 
     def _note_first_scheduled(self, so: SchedulerOutput) -> None:
         now = time.monotonic()
@@ -147,18 +232,24 @@ class EngineCore:
         return outs
 
     def _complete_oldest(self) -> list[EngineCoreOutput]:
-        so, fut = self.batch_queue[0]
+        step = self.batch_queue[0]
+        if step.output is None:  # nothing older is in flight: its grammars are current
+            with deferred_sigint():
+                self._sample(step)
+        assert step.output is not None
         try:
-            result = fut.result()
+            if step.forward is not None:
+                step.forward.result()  # the forward's own error, if it failed
+            result = step.output.result()
         except Exception as e:  # the step failed: fail its requests, keep the engine usable
             with deferred_sigint():
                 self.batch_queue.popleft()
-                return self._fail_inflight(so, e)
+                return self._fail_inflight(step.so, e)
         # (A KeyboardInterrupt while waiting leaves the step queued: a later call completes it.)
         with deferred_sigint():
             self.batch_queue.popleft()
             self.stats.num_completed += 1
-            outs = self.scheduler.update_from_output(so, result)
+            outs = self.scheduler.update_from_output(step.so, result)
             return self._attach_queue_times(outs) if self._queue_times else outs
 
     def _fail_inflight(self, so: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
@@ -168,12 +259,14 @@ class EngineCore:
         logger.error("step %d failed: %s", so.step_id, msg)
         outs = self.scheduler.fail_step(so, msg)
         while self.batch_queue:
-            later, fut = self.batch_queue.popleft()
-            try:
-                fut.result()
-            except Exception:
-                pass
-            outs += self.scheduler.fail_step(later, msg)
+            later = self.batch_queue.popleft()
+            for fut in (later.forward, later.output):  # a deferred step is never sampled now
+                if fut is not None:
+                    try:
+                        fut.result()
+                    except Exception:
+                        pass
+            outs += self.scheduler.fail_step(later.so, msg)
         return self._attach_queue_times(outs)
 
     def drain(self) -> list[EngineCoreOutput]:
@@ -187,6 +280,7 @@ class EngineCore:
         try:
             self.drain()
         finally:
+            self.structured.shutdown()
             self.executor.shutdown()
 
     def __enter__(self) -> "EngineCore":

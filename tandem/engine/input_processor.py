@@ -92,8 +92,6 @@ class InputProcessor:
             )
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
-        if params.structured_outputs is not None:  # until the grammar backend lands (issue 18)
-            raise ValueError("structured_outputs is not supported by this engine yet")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
             if v is not None and v > self.config.max_logprobs:

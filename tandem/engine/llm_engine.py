@@ -57,6 +57,17 @@ class LLMEngine:
         for r in self.output_processor.add_request(req):
             self.core.add_request(r.to_request())
 
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile ``params``' constraint now (the engine core caches it for the request) and
+        raise ``ValueError`` with the compiler's message if it does not compile: what the
+        offline ``LLM`` does before it adds a request, so a bad schema rejects the call."""
+        if params.structured_outputs is None:
+            return
+        grammar = self.core.structured.grammar_for(params.structured_outputs)
+        self.core.structured.wait_for_any([grammar], timeout_s=None)
+        if grammar.is_ready and grammar.error is not None:
+            raise ValueError(grammar.error)
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; unknown or finished ids are a no-op."""
         self.core.abort_requests(self.output_processor.abort(request_id))

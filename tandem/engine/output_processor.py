@@ -52,6 +52,7 @@ class RequestState:
     prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
     num_cached_tokens: int = 0
     error: Optional[str] = None
+    error_kind: Optional[str] = None
     first_token_time: Optional[float] = None
 
     @property
@@ -177,7 +178,7 @@ class OutputProcessor:
         if child.finish_reason is not None:
             return
         if out.error is not None:
-            state.error = out.error
+            state.error, state.error_kind = out.error, out.error_kind
         if out.queue_time is not None:
             result.stats.queue_times.append(out.queue_time)
         if out.prompt_logprobs and state.prompt_logprobs is not None and child.index == 0:
@@ -249,4 +250,4 @@ class OutputProcessor:
                                          None if c.logprobs is None else list(c.logprobs),
                                          c.finish_reason, c.stop_reason))
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, state.prompt_logprobs,
-                             outs, state.finished, state.num_cached_tokens, state.error)
+                             outs, state.finished, state.num_cached_tokens, state.error, state.error_kind)

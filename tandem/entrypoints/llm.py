@@ -18,6 +18,7 @@ from tandem.engine.llm_engine import LLMEngine, RequestError
 from tandem.engine.prepare import prepare_model
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
+from tandem.types.engine_output import INVALID_REQUEST
 from tandem.validation import show
 
 PromptType = Union[str, Sequence[int]]
@@ -135,6 +136,7 @@ class LLM:
             for i, (p, sp) in enumerate(zip(prompt_list, params)):
                 rid = f"gen-{next(self._ids)}"
                 try:
+                    self.engine.check_structured_outputs(sp)
                     self.engine.add_request(rid, p, sp)
                 except ValueError as e:
                     if len(prompt_list) == 1:
@@ -178,6 +180,10 @@ class LLM:
         self._run_until_idle()
         results = [final[r] for r in ids]
         failed = [r for r in results if r.error is not None]
+        refused = [(i, r) for i, r in enumerate(results) if r.error_kind == INVALID_REQUEST]
+        if refused:  # the request's own fault (checked up front: a safety net)
+            i, r = refused[0]
+            raise ValueError(r.error if len(results) == 1 else f"prompt {i}: {r.error}")
         if failed:
             raise RequestError(f"{len(failed)} request(s) failed in the engine: {failed[0].error}", results)
         return results

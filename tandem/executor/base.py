@@ -4,6 +4,11 @@
 can schedule and launch step N+1 before reading step N. Contract for every executor:
 every call gets exactly one reply, in call order; a worker error is raised from that
 call's future (never swallowed, never turned into a hang).
+
+A step with constrained requests (``SchedulerOutput.grammar_req_ids``) takes two calls:
+``execute_model`` runs the forward pass only, its future resolving to None, and
+``sample_tokens(GrammarOutput)`` — sent before the next step's ``execute_model`` — applies
+the bitmask, samples, and its future resolves to the step's output.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from typing import Any, MutableMapping, Optional
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.types.errors import ErrorPayload, ExecutorError, WorkerDiedError, WorkerError, WorkerTimeoutError
+from tandem.types.grammar import GrammarOutput
 from tandem.types.runner_output import ModelRunnerOutput
 from tandem.types.scheduler_output import SchedulerOutput
 
@@ -26,8 +32,14 @@ logger = logging.getLogger(__name__)
 
 class Executor(abc.ABC):
     @abc.abstractmethod
-    def execute_model(self, so: SchedulerOutput) -> "Future[ModelRunnerOutput]":
-        """Launch one step; the future resolves to its output (or raises its error)."""
+    def execute_model(self, so: SchedulerOutput) -> "Future[Optional[ModelRunnerOutput]]":
+        """Launch one step; the future resolves to its output (or raises its error) — to None
+        for a constrained step, whose output comes from ``sample_tokens``."""
+
+    @abc.abstractmethod
+    def sample_tokens(self, grammar: GrammarOutput) -> "Future[ModelRunnerOutput]":
+        """Sample the constrained step whose forward ``execute_model`` launched last, with
+        its bitmask; the future resolves to the step's output."""
 
     @abc.abstractmethod
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -141,11 +153,19 @@ class RemoteExecutor(Executor):
         if self._closed:
             raise ExecutorError("the executor is shut down")
 
-    def execute_model(self, so: SchedulerOutput) -> "Future[ModelRunnerOutput]":
+    def execute_model(self, so: SchedulerOutput) -> "Future[Optional[ModelRunnerOutput]]":
         """Send the step to every rank; never blocks. A broken executor returns a failed
         future, so the engine reports the step's requests as failed like any step error."""
+        return self._step_call("execute_model", so)
+
+    def sample_tokens(self, grammar: GrammarOutput) -> "Future[ModelRunnerOutput]":
+        """Every rank gets the call (under tensor parallelism the LM head and the broadcast
+        of the sampled ids are collectives); rank 0 alone reads the bitmask."""
+        return self._step_call("sample_tokens", grammar)
+
+    def _step_call(self, method: str, arg: Any) -> Future:
         try:
-            return self._call("execute_model", (so,), {})
+            return self._call(method, (arg,), {})
         except ExecutorError as e:
             fut: Future = Future()
             fut.set_exception(e)

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.executor.base import Executor
+from tandem.types.grammar import GrammarOutput
 from tandem.types.runner_output import ModelRunnerOutput
 from tandem.types.scheduler_output import SchedulerOutput
 from tandem.worker.async_output import AsyncModelOutput
@@ -53,13 +54,24 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         self.worker = resolve_worker_class(config.worker_cls)(config, model_config)
 
-    def execute_model(self, so: SchedulerOutput) -> "Future[ModelRunnerOutput]":
+    def execute_model(self, so: SchedulerOutput) -> "Future[Optional[ModelRunnerOutput]]":
+        return self._launch(self.worker.execute_model, so, forward_only=bool(so.grammar_req_ids))
+
+    def sample_tokens(self, grammar: GrammarOutput) -> "Future[ModelRunnerOutput]":
+        return self._launch(self.worker.sample_tokens, grammar, forward_only=False)
+
+    @staticmethod
+    def _launch(call: Any, arg: Any, forward_only: bool) -> Future:
         try:
-            launched = self.worker.execute_model(so)
+            launched = call(arg)
         except BaseException as e:  # a launch error is the step's error, raised from its future
             failed: Future = Future()
             failed.set_exception(e)
             return failed
+        if forward_only:  # the forward is launched; the output comes from sample_tokens
+            done: Future = Future()
+            done.set_result(None)
+            return done
         assert launched is not None, "the only rank is rank 0, which always reports its output"
         return _StepFuture(launched)
 

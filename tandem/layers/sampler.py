@@ -143,6 +143,16 @@ class Sampler(torch.nn.Module):
         return torch.where(is_greedy, greedy, random)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Structured outputs: set ``-inf`` in place wherever ``bitmask`` (int32 ``[B, ceil(V/32)]``,
+    bit ``t % 32`` of word ``t // 32`` for token ``t``, on the logits' device) has a 0 bit.
+    xgrammar's kernel (Triton on CUDA, C++ on the CPU), imported only when a constrained
+    step runs."""
+    import xgrammar
+
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
+
+
 def apply_min_tokens_mask(logits: torch.Tensor, rows: torch.Tensor, cols: Optional[torch.Tensor]) -> torch.Tensor:
     """Forbid stop/EOS tokens for rows that have not yet produced ``min_tokens``.
 
@@ -241,6 +251,11 @@ def random_sample(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tens
 
     Unlike torch.multinomial it needs no device sync. Unseeded rows draw from the default
     generator in one batched call; seeded rows get ``seeded_exponential`` noise instead.
+
+    A draw can be exactly 0 in float32 (a uniform that rounds to 1; about one element in
+    2**24), and a token with probability 0 — masked by top-k/top-p, min-p or a grammar —
+    would then score 0/0 = NaN, which ``argmax`` takes for the maximum. So the noise is
+    clamped to the smallest positive float: the race is otherwise unchanged.
     """
     q = torch.empty_like(probs)
     seeded = metadata.seeded_rows
@@ -250,6 +265,7 @@ def random_sample(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tens
     if seeded is not None and num_seeded:
         assert metadata.seeds is not None and metadata.output_index is not None
         q[seeded] = seeded_exponential(metadata.seeds, metadata.output_index, probs.shape[1]).to(q.dtype)
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
     return probs.div(q).argmax(dim=-1).view(-1)
 
 

@@ -19,6 +19,12 @@ Invariants (asserted where cheap):
 - a finished request's blocks are freed exactly once, after its last in-flight step;
 - a preempted request resumes only when none of its steps are in flight, so the tokens it
   sends the worker are the ones the worker itself confirmed.
+
+Structured outputs: a constrained request (``Request.grammar`` set by the engine core) waits
+in ``WAITING_FOR_GRAMMAR`` until its grammar has compiled, skipped by admission so that it
+holds up no one; a grammar that fails to compile ends the request with the compiler's
+message (``take_outputs``). Each received token advances the request's grammar; each step
+lists its constrained, sampling requests in ``SchedulerOutput.grammar_req_ids``.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from tandem.scheduler.kv_cache import KVCacheManager
-from tandem.types.engine_output import EngineCoreOutput
+from tandem.types.engine_output import INVALID_REQUEST, EngineCoreOutput
 from tandem.types.request import Request, RequestStatus
 from tandem.types.runner_output import ModelRunnerOutput
 from tandem.types.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
@@ -86,6 +92,12 @@ class Scheduler:
         self._step_reqs: dict[int, dict[str, Request]] = {}  # step id -> requests in it
         self._next_step_id = 0
         self.stats = SchedulerStats()
+        # Structured outputs: requests whose grammar is compiling, the number of live
+        # constrained requests (0: no step needs the grammar bookkeeping), and outputs of
+        # requests that ended outside a step (their grammar did not compile).
+        self.waiting_for_grammar: list[Request] = []
+        self.num_grammar_requests = 0
+        self._outputs: list[EngineCoreOutput] = []
 
     # -- request lifecycle -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -100,6 +112,10 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.grammar is not None:
+            self.num_grammar_requests += 1
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar.append(request)
 
     def abort_requests(self, req_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
                        ) -> list[Request]:
@@ -129,6 +145,10 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if prev == RequestStatus.WAITING_FOR_GRAMMAR:
+            self.waiting_for_grammar.remove(req)
+        if req.grammar is not None:
+            self.num_grammar_requests -= 1
         del self.requests[req.request_id]
         self._finished_ids_to_send.append(req.request_id)
         if req.num_inflight_steps == 0:
@@ -162,8 +182,33 @@ class Scheduler:
             req.num_output_placeholders += 1
         return samples
 
+    def take_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests that ended outside a step (a grammar that did not compile)."""
+        outs, self._outputs = self._outputs, []
+        return outs
+
+    def _check_grammars(self) -> None:
+        """Make requests whose grammar has compiled schedulable; end those whose did not."""
+        still = []
+        for req in self.waiting_for_grammar:
+            g = req.grammar
+            assert g is not None
+            if not g.is_ready:
+                still.append(req)
+            elif g.error is not None:
+                req.status = RequestStatus.WAITING  # _finish must not look for it in the list
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                self._outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="error", error=g.error,
+                                                      error_kind=INVALID_REQUEST if g.error_is_request_fault
+                                                      else None))
+            else:
+                req.status = RequestStatus.WAITING
+        self.waiting_for_grammar = still
+
     def schedule(self) -> SchedulerOutput:
         """Fill one step: running requests first, then waiting ones (see the module doc)."""
+        if self.waiting_for_grammar:
+            self._check_grammars()
         step = _StepBuilder(self.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:  # a step that had to preempt admits no one
@@ -221,9 +266,14 @@ class Scheduler:
                 return None
 
     def _schedule_waiting(self, step: "_StepBuilder") -> None:
-        """Admit waiting requests in arrival order while budget, slots and blocks allow."""
+        """Admit waiting requests in arrival order while budget, slots and blocks allow
+        (passing over those whose grammar is still compiling)."""
+        passed: list[Request] = []
         while self.waiting and step.budget > 0 and len(self.running) - step.num_ending < self.max_num_seqs:
             req = self.waiting[0]
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                passed.append(self.waiting.popleft())
+                continue
             if req.num_inflight_steps > 0:
                 break  # preempted with a step in flight: resume once its tokens are in
             computed, num_hit = self.kv.get_computed_blocks(req)
@@ -249,6 +299,7 @@ class Scheduler:
                 sample_seed=req.sample_seed,
             )
             step.add(req, ScheduledRequest(req.request_id, num_hit, n, new_blocks, self._account(req, n), new), n)
+        self.waiting.extendleft(reversed(passed))
 
     def _emit(self, step: "_StepBuilder") -> SchedulerOutput:
         """Number the step and attach the drop notices, unless nothing was scheduled."""
@@ -257,6 +308,9 @@ class Scheduler:
         if step.scheduled:
             out.finished_req_ids, self._finished_ids_to_send = self._finished_ids_to_send, []
             out.preempted_req_ids, self._preempted_ids_to_send = self._preempted_ids_to_send, []
+            if self.num_grammar_requests:
+                out.grammar_req_ids = [sr.req_id for sr in step.scheduled
+                                       if sr.samples and step.reqs[sr.req_id].grammar is not None]
             self._step_reqs[out.step_id] = step.reqs
             self._next_step_id += 1
             self.stats.num_steps += 1
@@ -289,6 +343,14 @@ class Scheduler:
             if result.logprobs is not None:
                 out.logprobs.append(result.logprobs[k])
             outputs[rid] = out
+            if req.grammar is not None and not req.grammar.accept_token(token):
+                # Only a bug (or a min_tokens that forbids the one token the grammar allows)
+                # gets here: the output could no longer follow its constraint.
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                out.finish_reason = "error"
+                out.error = f"structured outputs: the grammar does not allow the sampled token {token}"
+                logger.warning("request %s: %s", rid, out.error)
+                continue
             status = self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status)
@@ -315,6 +377,11 @@ class Scheduler:
 
         self._release_pending()
         return list(outputs.values())
+
+    def step_requests(self, step_id: int, req_ids: list[str]) -> list[Request]:
+        """The requests ``req_ids`` of an in-flight step (finished ones included)."""
+        reqs = self._step_reqs[step_id]
+        return [reqs[rid] for rid in req_ids]
 
     def fail_step(self, sched: SchedulerOutput, error: str) -> list[EngineCoreOutput]:
         """A step raised: finish every live request it contained with an error."""

@@ -12,6 +12,11 @@ import msgspec
 
 from tandem.types.runner_output import SampledLogprobs
 
+# ``EngineCoreOutput.error_kind`` of an error that is the request's own fault (a JSON schema,
+# regex or grammar that does not compile, ...): a server answers it with HTTP 400 and the
+# message, the offline API raises ``ValueError``. Without a kind, an error is the engine's (500).
+INVALID_REQUEST = "invalid_request"
+
 
 class EngineCoreOutput(msgspec.Struct, array_like=True):
     """What one step produced for one request.
@@ -30,3 +35,4 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     # Seconds the request waited before it was first scheduled: set on its first output,
     # when the engine tracks queue times (a server does, for /metrics).
     queue_time: Optional[float] = None
+    error_kind: Optional[str] = None  # INVALID_REQUEST, or None: the engine's fault

@@ -12,12 +12,15 @@ import enum
 from typing import Optional
 
 from tandem.sampling_params import SamplingParams
+from tandem.types.grammar import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
+    # Waiting too, but not schedulable before its grammar has compiled (structured outputs).
+    WAITING_FOR_GRAMMAR = 3
     # Everything from here on is finished.
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11
@@ -66,6 +69,10 @@ class Request:
         # recomputes its prompt, and those positions must not be reported twice.
         self.num_prompt_logprobs_sent = 0
         self.block_hashes: list[int] = []
+        # Structured outputs: the compiled constraint and its matcher state, advanced by every
+        # received token (never by placeholders). Set by the engine core when the request
+        # arrives; None for an unconstrained request.
+        self.grammar: Optional[RequestGrammar] = None
 
     @property
     def num_prompt_tokens(self) -> int:

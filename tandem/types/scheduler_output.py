@@ -43,6 +43,10 @@ class SchedulerOutput:
     requests: list[ScheduledRequest]
     finished_req_ids: list[str] = field(default_factory=list)  # worker drops their state first
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Constrained requests that sample in this step. When there are any, the worker runs only
+    # the forward pass in ``execute_model`` and samples in ``sample_tokens(GrammarOutput)``,
+    # once the engine core has filled their bitmask; when empty, one call does both.
+    grammar_req_ids: list[str] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -14,6 +14,11 @@ One step, in order (all on the compute stream; the host never waits for the devi
    step's sampler wrote it (stream order) and before the replay, whatever the batch order.
 4. Sample, scatter the sampled ids into the token table (where step N+1 gathers them), and
    return an ``AsyncModelOutput`` whose host copy runs on a side stream.
+
+A step with constrained requests (structured outputs) stops after the LM head: step 4 runs
+in ``sample_tokens``, once the engine core has sent the token bitmask, which masks the
+logits (xgrammar's kernel: Triton on CUDA, C++ on the CPU) before the sampler. Such a step
+never takes the decode graph's own greedy choice (it ignored the grammar).
 """
 from __future__ import annotations
 
@@ -26,8 +31,9 @@ import torch
 
 from tandem.distributed import get_tp_rank, tp_broadcast
 from tandem.layers.attention import AttentionMetadata, set_forward_context
-from tandem.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
+from tandem.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, apply_token_bitmask, gather_logprobs
 from tandem.models.registry import CausalLM
+from tandem.types.grammar import GrammarOutput
 from tandem.types.scheduler_output import SchedulerOutput
 from tandem.worker.async_output import AsyncModelOutput, HostBufferRing
 from tandem.worker.input_batch import CachedRequestState, InputBatch
@@ -74,6 +80,18 @@ class BatchSegments:
     dest: Segment  # int64 [B] flat token-table index of the token each sequence samples
 
 
+@dataclass
+class LaunchedForward:
+    """A forward pass whose tokens are still to be sampled: what ``sample_tokens`` needs."""
+
+    step_id: int
+    req_ids: list[str]  # the sampling requests, in batch order
+    logits: torch.Tensor  # [len(req_ids), vocab] of those rows (every rank computed them)
+    sampling: Callable[[], SamplingMetadata]
+    dest: torch.Tensor  # flat token-table index each sampled id is written to
+    prompt_logprobs: dict[str, LogprobsTensors]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -115,6 +133,7 @@ class ModelRunner:
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.num_kv_heads = 1
         self.stats_graph_steps = 0
+        self._pending: Optional[LaunchedForward] = None  # a constrained step's forward, until sampled
 
     def init_kv_cache(self, num_blocks: int, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_kv_heads = num_kv_heads
@@ -346,7 +365,10 @@ class ModelRunner:
 
     # -- the step ------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> AsyncModelOutput:
+    def execute_model(self, so: SchedulerOutput) -> Optional[AsyncModelOutput]:
+        """Launch one step. A step with constrained requests (``so.grammar_req_ids``) runs
+        the forward pass and the LM head only and returns None: ``sample_tokens`` samples it."""
+        self._pending = None  # a forward whose sampling never came (its step failed) is dropped
         plan = self._update_states(so)
         if not plan.num_seqs:  # nothing scheduled (e.g. a call that only primes the pipeline)
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -374,29 +396,66 @@ class ModelRunner:
 
         prompt_out = self._prompt_logprobs(plan, qsl, hidden)
         req_ids = [plan.states[i].req_id for i in sample_idx.tolist()]
-        logprobs: Optional[LogprobsTensors] = None
         n = len(sample_idx)
-        if n and graph_ids is not None and plain_greedy:
+        if not n:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return AsyncModelOutput(so.step_id, req_ids, empty, None, prompt_out, self.copy_stream, self.host_ring)
+        # Feed the device-side token table: step N+1 reads the sampled ids from here.
+        dest = sb.view(segs.dest)[:n] if all_rows else sb.view(sample_dest)
+        if graph_ids is not None and plain_greedy and not so.grammar_req_ids:
             # The graph already chose and stored the greedy tokens.
             sampled = graph_ids[:n] if all_rows else graph_ids[sb.view(logits_rows)]
-        elif n:
-            if graph_logits is not None:
-                logits = graph_logits[:n] if all_rows else graph_logits[sb.view(logits_rows)]
-            else:
-                h = hidden[:n] if all_rows else hidden[sb.view(logits_rows)]
-                logits = self.model.compute_logits(h)  # every rank: the LM head gathers
-            if self.tp_rank == 0:
-                result = self.sampler(logits, sampling())
-                sampled, logprobs = result.sampled_token_ids, result.logprobs
-            else:
-                sampled = torch.empty(n, dtype=torch.int64, device=self.device)
-            tp_broadcast(sampled, src=0)
-            # Feed the device-side token table: step N+1 reads these ids from here.
-            dest = sb.view(segs.dest)[:n] if all_rows else sb.view(sample_dest)
-            self.batch.token_table.view(-1).index_copy_(0, dest, sampled)
+            return AsyncModelOutput(so.step_id, req_ids, sampled, None, prompt_out, self.copy_stream, self.host_ring)
+        if graph_logits is not None:
+            logits = graph_logits[:n] if all_rows else graph_logits[sb.view(logits_rows)]
         else:
-            sampled = torch.empty(0, dtype=torch.int64, device=self.device)
-        return AsyncModelOutput(so.step_id, req_ids, sampled, logprobs, prompt_out, self.copy_stream, self.host_ring)
+            h = hidden[:n] if all_rows else hidden[sb.view(logits_rows)]
+            logits = self.model.compute_logits(h)  # every rank: the LM head gathers
+        forward = LaunchedForward(so.step_id, req_ids, logits, sampling, dest, prompt_out)
+        if so.grammar_req_ids:
+            self._pending = forward
+            return None
+        return self._sample(forward, None)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar: GrammarOutput) -> AsyncModelOutput:
+        """Sample the constrained step whose forward ``execute_model`` just launched: its
+        requests' logits are masked with ``grammar.bitmask`` first."""
+        forward, self._pending = self._pending, None
+        if forward is None or forward.step_id != grammar.step_id:
+            have = "none" if forward is None else f"step {forward.step_id}'s"
+            raise RuntimeError(f"sample_tokens for step {grammar.step_id}, but the forward waiting to be sampled "
+                               f"is {have} (did that step's execute_model fail?)")
+        return self._sample(forward, grammar)
+
+    def _sample(self, fw: "LaunchedForward", grammar: Optional[GrammarOutput]) -> AsyncModelOutput:
+        """Rank 0 masks (constrained steps) and samples; every rank gets the ids and writes
+        them into its token table."""
+        logprobs: Optional[LogprobsTensors] = None
+        if self.tp_rank == 0:
+            if grammar is not None:
+                apply_token_bitmask(fw.logits, self._bitmask_rows(grammar, fw.req_ids))
+            result = self.sampler(fw.logits, fw.sampling())
+            sampled, logprobs = result.sampled_token_ids, result.logprobs
+        else:
+            sampled = torch.empty(len(fw.req_ids), dtype=torch.int64, device=self.device)
+        tp_broadcast(sampled, src=0)
+        self.batch.token_table.view(-1).index_copy_(0, fw.dest, sampled)
+        return AsyncModelOutput(fw.step_id, fw.req_ids, sampled, logprobs, fw.prompt_logprobs, self.copy_stream,
+                                self.host_ring)
+
+    def _bitmask_rows(self, grammar: GrammarOutput, req_ids: list[str]) -> torch.Tensor:
+        """The bitmask laid out by sampled row (unconstrained rows all ones), on the device."""
+        bitmask = grammar.bitmask
+        if grammar.req_ids != req_ids:
+            pos = {rid: k for k, rid in enumerate(req_ids)}
+            missing = [rid for rid in grammar.req_ids if rid not in pos]
+            if missing:
+                raise RuntimeError(f"step {grammar.step_id}: bitmask rows for requests that do not sample: {missing}")
+            full = torch.full((len(req_ids), bitmask.shape[1]), -1, dtype=torch.int32)
+            full[[pos[rid] for rid in grammar.req_ids]] = bitmask
+            bitmask = full
+        return bitmask.to(self.device, non_blocking=True)
 
     # -- 4. sampling inputs ----------------------------------------------------------------
     def _stage_sampling(self, plan: StepPlan, sample_idx: np.ndarray,

@@ -18,6 +18,7 @@ from tandem.distributed import init_tensor_parallel
 from tandem.layers import use_fused_kernels
 from tandem.layers.attention import resolve_backend
 from tandem.models.registry import CausalLM
+from tandem.types.grammar import GrammarOutput
 from tandem.types.scheduler_output import SchedulerOutput
 from tandem.worker.async_output import AsyncModelOutput
 from tandem.worker.model_runner import ModelRunner
@@ -108,8 +109,15 @@ class Worker:
 
     def execute_model(self, so: SchedulerOutput) -> Optional[AsyncModelOutput]:
         """Launch one step. Rank 0 returns its output handle; other ranks return None (they
-        ran the same forward and received the sampled ids, but report nothing)."""
+        ran the same forward and received the sampled ids, but report nothing). A step with
+        constrained requests returns None on every rank: ``sample_tokens`` finishes it."""
         out = self.runner.execute_model(so)
+        return out if self.rank == 0 else None
+
+    def sample_tokens(self, grammar: GrammarOutput) -> Optional[AsyncModelOutput]:
+        """Mask and sample the constrained step launched last (rank 0; the others take part
+        in the broadcast of the ids and return None)."""
+        out = self.runner.sample_tokens(grammar)
         return out if self.rank == 0 else None
 
     def get_pid(self) -> int:

@@ -3,12 +3,32 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
 from tandem.engine.llm_engine import LLMEngine
 from tandem.outputs import RequestOutput
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
+
+# Constraints over the tiny models' word vocabulary ("t0".."t127"; a token's raw text is
+# "t<id>", EOS is t1), each with the Python regex its outputs must fully match. Chosen so
+# that no allowed token leads to a dead end (every token starts with "t", so e.g. "t2" may
+# only be allowed where "t" can follow).
+TINY_CONSTRAINTS: list[tuple[StructuredOutputsParams, str]] = [
+    (StructuredOutputsParams(regex=r"(t2[0-9]?|t3[0-9]?)+"), r"(t2[0-9]?|t3[0-9]?)+"),
+    (StructuredOutputsParams(regex=r"t4(t5[0-9]?)*t6"), r"t4(t5[0-9]?)*t6"),
+    (StructuredOutputsParams(regex=r"(t7[0-9]?t8[0-9]?){1,3}"), r"(t7[0-9]?t8[0-9]?){1,3}"),
+    (StructuredOutputsParams(choice=["t2t3", "t4t5t6", "t7"]), r"t2t3|t4t5t6|t7"),
+    (StructuredOutputsParams(choice=["t9t9t9", "t8"]), r"t9t9t9|t8"),
+    (StructuredOutputsParams(grammar='root ::= "t2" item* "t9"\nitem ::= "t3" | "t4" | "t5" "t6"'),
+     r"t2(t3|t4|t5t6)*t9"),
+]
+
+
+def tiny_text(token_ids: list[int]) -> str:
+    """The raw text of tiny-vocabulary tokens, as the grammar sees it (no separators)."""
+    return "".join(f"t{t}" for t in token_ids)
 
 
 @dataclass
@@ -18,13 +38,17 @@ class WorkItem:
     params: SamplingParams
     arrive_step: int = 0
     abort_after: Optional[int] = None  # abort once child 0 has this many tokens
+    pattern: Optional[str] = None  # a constrained request: the regex its finished outputs match
 
 
 def random_workload(seed: int, vocab: int, n_reqs: int = 12, max_prompt: int = 40,
-                    shared_prefix: bool = True) -> list[WorkItem]:
+                    shared_prefix: bool = True, constrained: float = 0.0) -> list[WorkItem]:
     """Random prompt lengths and arrivals, aborts, stop strings/ids, EOS, max/min tokens,
-    penalties, seeded sampling and n > 1."""
+    penalties, seeded sampling and n > 1; with ``constrained`` > 0, that share of the
+    requests also gets one of ``TINY_CONSTRAINTS`` (and no min_tokens, which could forbid
+    the EOS a finished grammar requires)."""
     rng = random.Random(seed)
+    crng = random.Random(seed + 1)  # its own stream: the rest of the workload stays as without
     prefix = [rng.randrange(2, vocab) for _ in range(rng.randint(4, 12))]
     items = []
     for i in range(n_reqs):
@@ -58,8 +82,33 @@ def random_workload(seed: int, vocab: int, n_reqs: int = 12, max_prompt: int = 4
         if rng.random() < 0.3:
             kw["logprobs"] = rng.choice([0, 2])
         abort_after = rng.randint(0, 6) if rng.random() < 0.15 else None
-        items.append(WorkItem(f"r{i}", prompt, SamplingParams(**kw), rng.randint(0, 10), abort_after))
+        pattern = None
+        if crng.random() < constrained:
+            kw["structured_outputs"], pattern = crng.choice(TINY_CONSTRAINTS)
+            kw["min_tokens"] = 0
+        items.append(WorkItem(f"r{i}", prompt, SamplingParams(**kw), rng.randint(0, 10), abort_after, pattern))
     return items
+
+
+def assert_follow_constraints(outputs: dict[str, Optional[RequestOutput]], items: list[WorkItem]) -> int:
+    """Every constrained output that ended with EOS fully matches its pattern, and none
+    failed (the others were cut by max_tokens, a stop string or id, or an abort); returns how
+    many ended with EOS."""
+    complete = 0
+    for w in items:
+        out = outputs.get(w.rid)
+        if w.pattern is None or out is None:
+            continue
+        for c in out.outputs:
+            ids = list(c.token_ids)
+            ended = c.finish_reason == "stop" and c.stop_reason is None and bool(ids) and ids[-1] == 1
+            if ended:
+                ids = ids[:-1]
+                complete += 1
+                assert re.fullmatch(w.pattern, tiny_text(ids)), f"{w.rid}: {tiny_text(ids)!r} !~ {w.pattern}"
+            else:
+                assert c.finish_reason != "error", f"{w.rid} failed: {out.error}"
+    return complete
 
 
 @dataclass

@@ -10,7 +10,7 @@ from engine_harness import WorkItem, assert_same, run_workload
 from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine, RequestError
 from tandem.entrypoints.llm import LLM
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 
 pytestmark = pytest.mark.timeout(120)
 VOCAB = 128
@@ -212,9 +212,11 @@ def test_case12_each_decode_reads_its_own_previous_token(tiny_llama):
 
 
 # -- 13. errors surface ----------------------------------------------------------------------------
+@pytest.mark.parametrize("constrained", [False, True])
 @pytest.mark.parametrize("where", ["model", "sampler"])
 @pytest.mark.parametrize("a", [False, True])
-def test_case13_injected_error_reaches_caller_engine_stays_usable(tiny_llama, monkeypatch, where, a):
+def test_case13_injected_error_reaches_caller_engine_stays_usable(tiny_llama, monkeypatch, where, a, constrained):
+    """(constrained: the failing step is one of the two calls of a constrained step.)"""
     llm = LLM(tiny_llama, async_scheduling=a, block_size=4, num_kv_blocks=128)
     runner = llm.engine.core.executor.worker.runner
     target = runner.model if where == "model" else runner.sampler
@@ -228,10 +230,11 @@ def test_case13_injected_error_reaches_caller_engine_stays_usable(tiny_llama, mo
         return orig(*args, **kw)
 
     sp = greedy(8, ignore_eos=True)
+    bad = greedy(8, structured_outputs=StructuredOutputsParams(regex="(t2[0-9]?)+")) if constrained else sp
     with monkeypatch.context() as mp:
         mp.setattr(target, "forward", failing)
         with pytest.raises(RequestError) as info:
-            llm.generate([[5, 6, 7], [8, 9]], sp, use_tqdm=False)
+            llm.generate([[5, 6, 7], [8, 9]], [sp, bad], use_tqdm=False)
     assert f"injected {where} failure" in str(info.value)
     assert all(o.outputs[0].finish_reason == "error" for o in info.value.outputs)
     again = llm.generate([[5, 6, 7]], sp, use_tqdm=False)

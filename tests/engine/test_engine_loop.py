@@ -70,6 +70,9 @@ class FakeExecutor(Executor):
             f.set_exception(e)
         return f
 
+    def sample_tokens(self, grammar) -> Future:
+        raise AssertionError("these tests send no constrained request")
+
     def collective_rpc(self, method, *args, **kwargs):
         if method == "determine_num_kv_blocks":
             return [self.num_blocks]
@@ -194,8 +197,8 @@ def test_priming_rpc_is_answered_and_replies_in_order():
     core.add_request(req("p", max_tokens=4, ignore_eos=True))
     core.step()  # launches the priming step and returns without completing it
     assert len(core.batch_queue) == 1
-    so, fut = core.batch_queue[0]
-    assert fut.result(timeout=5).step_id == so.step_id
+    step = core.batch_queue[0]
+    assert step.output is not None and step.output.result(timeout=5).step_id == step.so.step_id
     out = run_to_end(core)
     assert len(out["p"]) == 4
     steps = [so.step_id for so in ex.calls]

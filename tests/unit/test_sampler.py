@@ -339,6 +339,23 @@ def test_seeded_noise_is_the_documented_counter_hash() -> None:
     assert p > CHI2_P_MIN
 
 
+@pytest.mark.timeout(60)
+def test_zero_noise_never_picks_a_masked_token() -> None:
+    """A seeded draw that is exactly 0 on a masked (-inf) token used to score 0/0 = NaN and
+    win the race: seen as a grammar-masked token sampled under structured outputs."""
+    from tandem.layers.sampler import seeded_exponential
+
+    vocab, seed = 49152, 11
+    noise = seeded_exponential(torch.full((512,), seed), torch.arange(512), vocab)
+    hits = (noise == 0).nonzero()
+    assert len(hits), "no zero draw in the scanned range: widen it"
+    out_index, col = (int(x) for x in hits[0])
+    logits = torch.zeros(1, vocab)
+    logits[0, col] = float("-inf")
+    md = make_metadata(1, 1.0, seeds={0: (seed, out_index)})
+    assert int(Sampler()(logits, md).sampled_token_ids[0]) != col
+
+
 # ------------------------------------------------------------------------ penalties
 
 

@@ -1,0 +1,147 @@
+"""Structured outputs in the engine core: compile off the step loop, cache, match, fill bitmasks.
+
+* ``grammar_for(params)`` returns a request's ``RequestGrammarState`` at once. Compilation
+  runs in a thread pool; requests with the same constraint share one compilation (and its
+  error), kept in a bounded LRU cache of compiled grammars keyed by the constraint. The
+  backend itself (tokenizer load, vocabulary tables, importing xgrammar) is built in the
+  pool too, on the first constrained request, so neither start-up nor the loop waits for it.
+* The scheduler keeps a request in ``WAITING_FOR_GRAMMAR`` until ``is_ready``; other requests
+  are scheduled meanwhile. A constraint that fails to compile ends its request with the
+  compiler's message, marked as the request's fault.
+* Each received token advances the request's matcher (``accept_token``, from the
+  scheduler); ``grammar_output`` fills one bitmask row per constrained request of a step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Iterable, Optional
+
+from tandem.sampling_params import StructuredOutputsParams
+from tandem.structured_output.backend import (CompiledGrammar, GrammarBackend, GrammarCompileError, GrammarSpec,
+                                              Matcher, create_backend)
+from tandem.types.grammar import GrammarOutput
+from tandem.types.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class RequestGrammarState:
+    """One request's grammar: its compilation (shared) and, once compiled, its own matcher.
+
+    Implements ``tandem.types.grammar.RequestGrammar`` for the scheduler; used on the engine
+    thread only (the compilation future is the one thing another thread touches).
+    """
+
+    __slots__ = ("_future", "matcher", "_error", "error_is_request_fault")
+
+    def __init__(self, future: "Future[CompiledGrammar]") -> None:
+        self._future = future
+        self.matcher: Optional[Matcher] = None
+        self._error: Optional[str] = None
+        self.error_is_request_fault = True
+
+    @property
+    def future(self) -> "Future[CompiledGrammar]":
+        return self._future
+
+    @property
+    def is_ready(self) -> bool:
+        if self.matcher is not None or self._error is not None:
+            return True
+        if not self._future.done():
+            return False
+        try:
+            self.matcher = self._future.result().new_matcher()
+        except GrammarCompileError as e:
+            self._error = str(e)
+        except Exception as e:  # the backend could not be built: not the request's fault
+            self._error = f"structured outputs are unavailable: {type(e).__name__}: {e}"
+            self.error_is_request_fault = False
+        return True
+
+    @property
+    def error(self) -> Optional[str]:
+        return self._error
+
+    def accept_token(self, token: int) -> bool:
+        """Advance by a received token. Once the grammar has ended (it accepted a stop token,
+        and ``ignore_eos`` kept the request going) nothing constrains the output any more."""
+        assert self.matcher is not None, "a token for a request whose grammar never compiled"
+        return self.matcher.is_terminated or self.matcher.accept_token(token)
+
+
+class StructuredOutputManager:
+    def __init__(self, backend: str, tokenizer: str, vocab_size: int, stop_token_ids: list[int],
+                 max_workers: Optional[int] = None, cache_size: int = 256) -> None:
+        self.backend_name = backend
+        self.tokenizer_path = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self.bitmask_words = -(-vocab_size // 32)
+        self.cache_size = cache_size
+        workers = max_workers or max(1, min(4, (os.cpu_count() or 1) // 2))
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tandem-grammar")
+        self._backend: Optional[GrammarBackend] = None
+        self._backend_lock = threading.Lock()
+        self._cache: "OrderedDict[GrammarSpec, Future[CompiledGrammar]]" = OrderedDict()
+        self.num_compiles = 0  # compilations started (cache misses)
+
+    # -- compilation -------------------------------------------------------------------------
+    def grammar_for(self, params: StructuredOutputsParams) -> RequestGrammarState:
+        """The grammar state of a new request; its compilation is shared through the cache."""
+        spec = GrammarSpec.of(params)
+        fut = self._cache.get(spec)
+        if fut is None:
+            fut = self._pool.submit(self._compile, spec)
+            self.num_compiles += 1
+            self._cache[spec] = fut
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(spec)
+        return RequestGrammarState(fut)
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        return self._get_backend().compile(spec)
+
+    def _get_backend(self) -> GrammarBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                from tandem.tokenizer import load_tokenizer
+
+                self._backend = create_backend(self.backend_name, load_tokenizer(self.tokenizer_path),
+                                               self.vocab_size, self.stop_token_ids)
+                logger.info("structured outputs: %s backend ready", self.backend_name)
+            return self._backend
+
+    @staticmethod
+    def wait_for_any(grammars: Iterable[RequestGrammarState], timeout_s: Optional[float]) -> None:
+        """Block until one of ``grammars`` has compiled (or ``timeout_s`` passed; None: no
+        limit): what the engine does when nothing else can run, instead of spinning."""
+        futures = {g.future for g in grammars}
+        if futures:
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    # -- bitmasks ----------------------------------------------------------------------------
+    def grammar_output(self, step_id: int, req_ids: list[str], requests: list[Request]) -> GrammarOutput:
+        """The bitmask of a step's constrained requests (``SchedulerOutput.grammar_req_ids``),
+        each matcher having accepted every token its request received. A request that has
+        finished meanwhile (its token in this step will be dropped) or whose grammar has
+        ended keeps an all-ones row."""
+        import torch
+
+        bitmask = torch.full((len(requests), self.bitmask_words), -1, dtype=torch.int32)
+        for i, req in enumerate(requests):
+            g = req.grammar
+            if req.is_finished or not isinstance(g, RequestGrammarState) or g.matcher is None:
+                continue
+            if not g.matcher.is_terminated:
+                g.matcher.fill_bitmask(bitmask, i)
+        return GrammarOutput(step_id, req_ids, bitmask)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

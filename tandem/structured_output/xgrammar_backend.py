@@ -1,0 +1,91 @@
+"""The xgrammar backend (the default, as in vLLM): compiled grammars with token masks
+precomputed per grammar state, a C++ matcher per request."""
+from __future__ import annotations
+
+from typing import Any
+
+import xgrammar as xgr
+
+from tandem.structured_output.backend import (CompiledGrammar, GrammarBackend, GrammarCompileError, GrammarSpec,
+                                              Matcher, WHAT, one_line)
+
+
+def _ebnf_literal(s: str) -> str:
+    """``s`` as an EBNF string literal: quotes, backslashes and control characters escaped."""
+    out = []
+    for ch in s:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose only sentences are ``choices``."""
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
+
+
+def is_ebnf(grammar: str) -> bool:
+    """GBNF/EBNF rules are written ``name ::= ...``; anything else is taken as Lark."""
+    return "::=" in grammar
+
+
+class _XGrammarMatcher(Matcher):
+    __slots__ = ("_m",)
+
+    def __init__(self, compiled: Any) -> None:
+        self._m = xgr.GrammarMatcher(compiled)
+
+    def accept_token(self, token: int) -> bool:
+        return self._m.accept_token(token)
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self._m.is_terminated()
+
+
+class _XGrammarCompiled(CompiledGrammar):
+    def __init__(self, compiled: Any) -> None:
+        self._compiled = compiled
+
+    def new_matcher(self) -> Matcher:
+        return _XGrammarMatcher(self._compiled)
+
+
+class XGrammarBackend(GrammarBackend):
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        # tandem keeps its own cache of compiled grammars (by constraint); xgrammar's would
+        # only hold the same ones a second time.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        c = self._compiler
+        try:
+            if spec.kind in ("json", "json_object"):
+                # Compact JSON (no free whitespace): a small model otherwise tends to emit
+                # whitespace until max_tokens where a value should follow.
+                compiled = c.compile_json_schema(spec.text, any_whitespace=False)
+            elif spec.kind == "regex":
+                compiled = c.compile_regex(spec.text)
+            elif spec.kind == "choice":
+                compiled = c.compile_grammar(choice_grammar(spec.choices))
+            elif is_ebnf(spec.text):
+                compiled = c.compile_grammar(spec.text)
+            else:
+                compiled = c.compile_lark(spec.text)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise GrammarCompileError(f"{WHAT[spec.kind]} does not compile: {one_line(str(e))}") from None
+        return _XGrammarCompiled(compiled)

@@ -1,0 +1,47 @@
+"""Structured outputs as plain data: what the engine core tells the workers for a step whose
+requests are constrained, and what the scheduler may ask of a request's grammar.
+
+The grammar work itself (compiling, matching, filling bitmasks) lives in
+``tandem.structured_output``, in the engine core; the workers only apply a bitmask to the
+logits. A step with constrained requests is therefore run in two calls: the forward pass
+(``execute_model``), then ``sample_tokens(GrammarOutput)`` once the bitmask is known.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+
+@dataclass
+class GrammarOutput:
+    """The token bitmask of one step's constrained requests, for ``sample_tokens``.
+
+    Row ``i`` of ``bitmask`` belongs to ``req_ids[i]``; bit ``t % 32`` of word ``t // 32`` is
+    1 when token ``t`` is allowed (xgrammar's and llguidance's layout). Requests of the step
+    that sample but are not listed are unconstrained.
+    """
+
+    step_id: int
+    req_ids: list[str]
+    # torch.Tensor int32 [len(req_ids), ceil(vocab_size / 32)], on the host. Typed Any so this
+    # module imports no torch (the codec sends tensors as raw buffers).
+    bitmask: Any
+
+
+class RequestGrammar(Protocol):
+    """What the scheduler needs of one request's grammar (``Request.grammar``)."""
+
+    @property
+    def is_ready(self) -> bool:
+        """Compilation has ended, successfully or not (``error`` says which)."""
+
+    @property
+    def error(self) -> Optional[str]:
+        """The compiler's one-line message when the constraint did not compile."""
+
+    # Whether ``error`` is the request's fault (a bad schema: HTTP 400), not the engine's
+    # (the backend could not be built: 500).
+    error_is_request_fault: bool
+
+    def accept_token(self, token: int) -> bool:
+        """Advance by a sampled token; False when the grammar does not allow it."""

@@ -1,0 +1,174 @@
+"""Structured outputs in the engine core, on a tiny model (the embedded model's JSON tests
+are in test_structured_outputs_model.py): the grammar's lifecycle around the step loop.
+
+A request waits for its grammar without holding up others; a grammar that does not compile
+ends only its request, as the request's fault; an engine with nothing else to do waits for a
+compilation instead of reporting a stall; the constrained step's two calls keep their order
+under async scheduling; identical constraints compile once.
+"""
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+
+from engine_harness import TINY_CONSTRAINTS, WorkItem, assert_same, run_workload, tiny_text
+from tandem.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
+from tandem.types.engine_output import INVALID_REQUEST
+from tandem.types.grammar import GrammarOutput
+
+pytestmark = pytest.mark.timeout(120)
+
+REGEX, PATTERN = TINY_CONSTRAINTS[0]
+
+
+def engine(model: str, a: bool, **kw) -> LLMEngine:
+    base = dict(model=model, block_size=4, max_num_seqs=6, max_num_batched_tokens=64, async_scheduling=a,
+                num_kv_blocks=256)
+    base.update(kw)
+    return LLMEngine(EngineConfig(**base))
+
+
+def constrained(max_tokens: int = 12, so: StructuredOutputsParams = REGEX, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so, **kw)
+
+
+def gate_compilation(e: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Hold every compilation of ``e`` until the returned event is set (a slow compiler)."""
+    release = threading.Event()
+    manager = e.core.structured
+    orig = manager._compile
+
+    def slow(spec):
+        assert release.wait(60), "the test never released the compilation"
+        return orig(spec)
+
+    monkeypatch.setattr(manager, "_compile", slow)
+    return release
+
+
+@pytest.mark.parametrize("a", [False, True])
+def test_waiting_for_grammar_holds_up_no_one(tiny_llama, monkeypatch, a):
+    e = engine(tiny_llama, a)
+    release = gate_compilation(e, monkeypatch)
+    e.add_request("c", [5, 6, 7], constrained())
+    e.add_request("u", [8, 9], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    done: dict = {}
+    for _ in range(200):
+        for out in e.step():
+            if out.finished:
+                done[out.request_id] = out
+        if "u" in done:
+            break
+    assert "u" in done and "c" not in done, "the unconstrained request waited for the other's grammar"
+    assert e.core.scheduler.waiting_for_grammar, "the constrained request should still be compiling"
+    release.set()
+    while e.has_unfinished_requests():
+        for out in e.step():
+            done[out.request_id] = out
+    c = done["c"].outputs[0]
+    assert done["c"].error is None and c.finish_reason in ("stop", "length")
+    if c.finish_reason == "stop":
+        assert re.fullmatch(PATTERN, tiny_text(c.token_ids[:-1]))
+    e.shutdown()
+
+
+def test_nothing_else_to_run_waits_for_the_compilation_instead_of_stalling(tiny_llama, monkeypatch):
+    e = engine(tiny_llama, True)
+    release = gate_compilation(e, monkeypatch)
+    e.add_request("c", [5, 6, 7], constrained())
+    for _ in range(3):  # each step waits a little (bounded) and returns: no EngineStallError, no spin
+        assert e.step() == []
+    assert e.core.stats.num_launched == 0
+    release.set()
+    out = run_workload(e, [WorkItem("d", [5, 6, 7], constrained())]).outputs
+    assert out["d"].outputs[0].finish_reason in ("stop", "length")
+    e.shutdown()
+
+
+@pytest.mark.parametrize("a", [False, True])
+def test_bad_grammar_ends_only_its_request_as_its_own_fault(tiny_llama, a):
+    e = engine(tiny_llama, a)
+    bad = {"regex": StructuredOutputsParams(regex="(t2[0-9"),
+           "grammar": StructuredOutputsParams(grammar='root ::= "t2" missing'),
+           "lark": StructuredOutputsParams(grammar="start: (")}
+    items = [WorkItem(name, [5, 6, 7], constrained(so=so), arrive_step=i) for i, (name, so) in enumerate(bad.items())]
+    items += [WorkItem("good", [5, 6, 7], constrained(), arrive_step=1),
+              WorkItem("plain", [9, 9], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))]
+    res = run_workload(e, items).outputs
+    for name in bad:
+        out = res[name]
+        assert out.outputs[0].finish_reason == "error" and out.error_kind == INVALID_REQUEST, name
+        assert "does not compile" in out.error and "\n" not in out.error, out.error
+        assert not out.outputs[0].token_ids
+    assert "Unclosed" in res["regex"].error or "not closed" in res["regex"].error.lower()
+    assert res["good"].error is None and res["plain"].outputs[0].finish_reason == "length"
+    e.shutdown()
+
+
+def test_abort_while_compiling_leaves_nothing_behind(tiny_llama, monkeypatch):
+    e = engine(tiny_llama, True)
+    release = gate_compilation(e, monkeypatch)
+    e.add_request("c", [5, 6, 7], constrained())
+    e.step()
+    e.abort_request("c")
+    assert not e.core.scheduler.waiting_for_grammar and not e.has_unfinished_requests()
+    assert e.core.scheduler.num_grammar_requests == 0
+    release.set()
+    out = run_workload(e, [WorkItem("c", [5, 6, 7], constrained())]).outputs  # the id is free again
+    assert out["c"].error is None
+    e.shutdown()
+
+
+def test_identical_constraints_compile_once(tiny_llama):
+    e = engine(tiny_llama, True)
+    items = [WorkItem(f"r{i}", [5, 6 + i], constrained(), arrive_step=i) for i in range(5)]
+    run_workload(e, items)
+    assert e.core.structured.num_compiles == 1
+    run_workload(e, [WorkItem("x", [7], constrained(so=StructuredOutputsParams(regex=REGEX.regex)))])
+    assert e.core.structured.num_compiles == 1
+    e.shutdown()
+
+
+def test_constrained_step_calls_keep_their_order(tiny_llama, monkeypatch):
+    """Async: forward N, sample N, forward N+1, sample N+1 — never a forward between a
+    constrained step's two calls — and deferred sampling really happens."""
+    e = engine(tiny_llama, True)
+    ex = e.core.executor
+    calls: list[tuple[str, int]] = []
+    orig_exec, orig_sample = ex.execute_model, ex.sample_tokens
+
+    def execute_model(so):
+        calls.append(("forward" if so.grammar_req_ids else "step", so.step_id))
+        return orig_exec(so)
+
+    def sample_tokens(grammar: GrammarOutput):
+        calls.append(("sample", grammar.step_id))
+        return orig_sample(grammar)
+
+    monkeypatch.setattr(ex, "execute_model", execute_model)
+    monkeypatch.setattr(ex, "sample_tokens", sample_tokens)
+    items = [WorkItem("c", [5, 6, 7], constrained(20)), WorkItem("u", [8, 9], SamplingParams(temperature=0,
+                                                                                          max_tokens=20))]
+    run_workload(e, items)
+    for (kind, sid), nxt in zip(calls, calls[1:] + [("end", -1)]):
+        if kind == "forward":
+            assert nxt == ("sample", sid), f"forward of step {sid} followed by {nxt}"
+    assert any(k == "forward" for k, _ in calls) and e.core.stats.num_sampling_deferred > 0
+    e.shutdown()
+
+
+@pytest.mark.parametrize("so", [REGEX, TINY_CONSTRAINTS[3][0], TINY_CONSTRAINTS[5][0]], ids=["regex", "choice",
+                                                                                              "grammar"])
+def test_seeded_constrained_sampling_async_equals_sync_and_is_batch_independent(tiny_llama, so):
+    sp = SamplingParams(temperature=1.2, seed=77, max_tokens=16, structured_outputs=so)
+    alone = run_workload(engine(tiny_llama, False), [WorkItem("s", [4, 5, 6], sp)]).outputs
+    noise = [WorkItem(f"n{i}", [10 + i] * (3 + i), SamplingParams(temperature=0.9, max_tokens=12), i)
+             for i in range(4)]
+    items = noise + [WorkItem("s", [4, 5, 6], sp, arrive_step=2)]
+    for a in (False, True):
+        res = run_workload(engine(tiny_llama, a, max_num_batched_tokens=8), items).outputs
+        assert_same({"s": alone["s"]}, {"s": res["s"]}, [items[-1]])
