@@ -21,6 +21,14 @@ def chat(**kw: Any) -> dict[str, Any]:
     return {"messages": OK_MSG, "max_tokens": 4, **kw}
 
 
+def named(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+CALL = {"id": "call-1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
 # (id, method, path, body: dict for JSON / bytes for raw, status, param or None, words in the message)
 CASES: list[tuple[str, str, str, Any, int, Optional[str], str]] = [
     ("malformed-json", "POST", C, b'{"prompt": "t5",', 400, None, "not valid JSON"),
@@ -82,11 +90,46 @@ CASES: list[tuple[str, str, str, Any, int, Optional[str], str]] = [
     ("seed-huge", "POST", C, comp(seed=2 ** 70), 400, "seed", "less than or equal"),
     ("min-tokens-over-max", "POST", C, comp(min_tokens=10, max_tokens=2), 400, None, "min_tokens"),
     ("unknown-field", "POST", C, comp(bogus=1), 400, "bogus", "Unrecognized request argument"),
-    ("tools", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
-     "not supported"),
-    ("tool-choice", "POST", CHAT, chat(tool_choice="auto"), 400, "tool_choice", "not supported"),
-    ("response-format", "POST", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format",
-     "not supported"),
+    # -- tools (this server runs without --enable-auto-tool-choice) --
+    ("tools-auto-without-parser", "POST", CHAT, chat(tools=TOOLS), 400, "tool_choice", "--enable-auto-tool-choice"),
+    ("tool-choice-without-tools", "POST", CHAT, chat(tool_choice="required"), 400, "tool_choice", "needs tools"),
+    ("tool-choice-missing-tool", "POST", CHAT, chat(tools=TOOLS, tool_choice=named("nope")), 400, "tool_choice",
+     "'nope', which is not among the tools"),
+    ("tool-choice-bad-value", "POST", CHAT, chat(tools=TOOLS, tool_choice="always"), 400, "tool_choice",
+     'must be "none", "auto", "required"'),
+    ("tool-invalid-parameter-schema", "POST", CHAT,
+     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+          tool_choice="required"), 400, "tools[0].function.parameters", "invalid JSON schema"),
+    ("tool-duplicate-names", "POST", CHAT, chat(tools=TOOLS + TOOLS, tool_choice="required"), 400, "tools",
+     "given twice"),
+    ("tool-not-a-function", "POST", CHAT, chat(tools=[{"type": "retrieval"}], tool_choice="required"), 400,
+     "tools[0].type", ""),
+    ("tool-choice-and-response-format", "POST", CHAT,
+     chat(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), 400, "response_format",
+     "constrains the output already"),
+    ("tools-on-completions", "POST", C, comp(tools=TOOLS), 400, "tools", "not supported"),
+    # -- output constraints --
+    ("response-format-bad-type", "POST", CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type",
+     ""),
+    ("response-format-json-schema-missing", "POST", CHAT, chat(response_format={"type": "json_schema"}), 400,
+     "response_format", "needs json_schema"),
+    ("response-format-invalid-schema", "POST", CHAT,
+     chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}), 400,
+     "response_format.json_schema.schema", "invalid JSON schema"),
+    ("structured-outputs-two-kinds", "POST", C, comp(structured_outputs={"regex": "a", "choice": ["b"]}), 400,
+     "structured_outputs", "exactly one of"),
+    ("structured-outputs-unknown-key", "POST", CHAT, chat(structured_outputs={"jsn": {}}), 400,
+     "structured_outputs", "did you mean 'json'"),
+    ("structured-outputs-json-not-json", "POST", C, comp(structured_outputs={"json": "{oops"}), 400,
+     "structured_outputs", "not valid JSON"),
+    ("two-constraints", "POST", C, comp(structured_outputs={"regex": "t5"}, guided_choice=["t6"]), 400,
+     "guided_choice", "at most one output constraint"),
+    ("regex-does-not-compile", "POST", C, comp(structured_outputs={"regex": "t[5"}), 400, "structured_outputs",
+     "does not compile"),
+    ("regex-does-not-compile-stream", "POST", CHAT, chat(structured_outputs={"regex": "t[5"}, stream=True), 400,
+     "structured_outputs", "does not compile"),
+    ("grammar-does-not-compile", "POST", CHAT, chat(guided_grammar="root ::= ("), 400, "guided_grammar",
+     "does not compile"),
     ("suffix", "POST", C, comp(suffix="t9"), 400, "suffix", "not supported"),
     ("chat-echo", "POST", CHAT, chat(echo=True), 400, "echo", "not supported"),
     ("prompt-logprobs-stream", "POST", C, comp(prompt_logprobs=1, stream=True), 400, "prompt_logprobs",
@@ -100,7 +143,16 @@ CASES: list[tuple[str, str, str, Any, int, Optional[str], str]] = [
     ("unknown-model-chat", "POST", CHAT, chat(model="gpt-9"), 404, "model", "does not exist"),
     ("empty-messages", "POST", CHAT, chat(messages=[]), 400, "messages", "at least 1"),
     ("invalid-role", "POST", CHAT, chat(messages=[{"role": "wizard", "content": "t5"}]), 400, "messages[0].role",
-     "'system', 'user' or 'assistant'"),
+     "'system', 'developer', 'user', 'assistant' or 'tool'"),
+    ("tool-message-without-id", "POST", CHAT, chat(messages=[{"role": "tool", "content": "t5"}]), 400, "messages[0]",
+     "needs the tool_call_id"),
+    ("user-content-null", "POST", CHAT, chat(messages=[{"role": "user", "content": None}]), 400, "messages[0]",
+     "null only for an assistant message with tool_calls"),
+    ("tool-calls-on-user", "POST", CHAT, chat(messages=[{"role": "user", "content": "t5", "tool_calls": [CALL]}]),
+     400, "messages[0]", "only assistant messages carry tool_calls"),
+    ("tool-call-arguments-object", "POST", CHAT,
+     chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{**CALL, "function": {
+         "name": "f", "arguments": {"a": 1}}}]}]), 400, "messages[0].tool_calls[0].function.arguments", ""),
     ("content-int", "POST", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content",
      "string or a list of text parts"),
     ("content-image", "POST", CHAT,

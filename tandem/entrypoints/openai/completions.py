@@ -19,6 +19,7 @@ from tandem.entrypoints.openai.errors import bad_request
 from tandem.entrypoints.openai.logprobs import legacy_logprobs, prompt_logprobs_json
 from tandem.entrypoints.openai.protocol import CompletionRequest
 from tandem.entrypoints.openai.serving import ChoiceBuilder, OpenAIServing, created, usage
+from tandem.entrypoints.openai.structured import structured_outputs_of
 from tandem.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 # Completions default to 16 tokens (OpenAI's default for this endpoint).
@@ -48,18 +49,23 @@ class CompletionServing(OpenAIServing):
         shape = _Shape(req, [], req.n)
         # Echo with logprobs scores the prompt too: its positions get as many alternatives as the output's.
         prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not req.echo else req.logprobs
+        constraint, constraint_param = structured_outputs_of(req)
         params = [self.sampling_params(req, self.max_tokens(1 if shape.prompt_only else req.max_tokens, len(ids),
                                                             _DEFAULT_MAX_TOKENS),
-                                       req.logprobs, prompt_logprobs=prompt_logprobs) for ids in ids_list]
+                                       req.logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=constraint)
+                  for ids in ids_list]
         request_id, streams = self.start("cmpl", ids_list, params)  # the prompts are valid from here on
         if req.echo:
             shape.prompt_texts = [p if isinstance(p, str) else self.engine.detokenize(p) for p in prompts]
         prompt_lens = [len(ids) for ids in ids_list]
         head = {"id": request_id, "object": "text_completion", "created": created(), "model": self.model_name}
         if req.stream:
+            refused = await self.compiled(request, streams, constraint_param) if constraint is not None else None
+            if refused is not None:
+                return refused
             return self.stream_response(self.stream_choices(streams, req.n, head, self._stream_choice(shape),
                                                             req.stream_options, prompt_lens))
-        outputs = await self.collect(request, streams)
+        outputs = await self.collect(request, streams, constraint_param)
         if isinstance(outputs, Response):
             return outputs  # the client left, or a request failed in the engine
         choices = []

@@ -8,21 +8,20 @@ of getting output that silently ignored its request.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tandem.entrypoints.openai.errors import bad_request
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 # Fields OpenAI (or vLLM) accepts that this server refuses, with the value that is harmless.
-_UNSUPPORTED_COMMON = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-                       "response_format", "prediction", "audio", "modalities",
-                       "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+_UNSUPPORTED_COMMON = ("functions", "function_call", "prediction", "audio", "modalities")
 _HARMLESS: dict[str, Any] = {"echo": False, "suffix": "", "best_of": 1}
 UNSUPPORTED = {
-    "completions": _UNSUPPORTED_COMMON + ("suffix", "best_of"),
+    "completions": _UNSUPPORTED_COMMON + ("suffix", "best_of", "tools", "tool_choice", "parallel_tool_calls"),
     "chat": _UNSUPPORTED_COMMON + ("echo",),
 }
 
@@ -36,6 +35,49 @@ def refuse_unsupported(body: dict[str, Any], endpoint: str) -> None:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")  # ("schema" is a BaseModel method)
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError('type "json_schema" needs json_schema: {"name": ..., "schema": {...}}')
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f'json_schema is only allowed with type "json_schema", not {self.type!r}')
+        return self
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments object
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class StreamOptions(_Strict):
@@ -77,6 +119,15 @@ class _SamplingRequest(_Strict):
     # vLLM's extension: the logprobs of each prompt token (and its top-k), in vLLM's shape.
     prompt_logprobs: Optional[int] = Field(None, ge=0)
     user: Optional[str] = None  # an end-user id: accepted, as OpenAI does, and only logged
+    # Constrained output (tandem/entrypoints/openai/structured.py): OpenAI's response_format,
+    # vLLM's structured_outputs ({json | regex | choice | grammar | json_object}, checked as
+    # SamplingParams' StructuredOutputsParams) and vLLM's older guided_* fields, as aliases.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[dict[str, Any] | str] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
     @field_validator("stop")
     @classmethod
@@ -132,10 +183,37 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """A tool call of an earlier assistant turn, replayed in ``messages``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    """One message of a conversation: OpenAI's roles, with ``developer`` read as ``system``,
+    ``tool`` results answering a ``tool_call_id``, and assistant turns that called tools
+    (``tool_calls``, with ``content`` null or empty)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[str | list[TextPart]] = Field(...)  # required, but null is allowed (checked below)
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_call_turn_may_omit_content(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "content" not in data and data.get("role") == "assistant" \
+                and data.get("tool_calls"):
+            return {**data, "content": None}
+        return data
 
     @field_validator("content", mode="before")
     @classmethod
@@ -145,16 +223,49 @@ class ChatMessage(_Strict):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind != "text":
                     raise ValueError(f"only text content parts are supported, got a part of type {kind!r}")
-        elif not isinstance(v, str):
+        elif v is not None and not isinstance(v, str):
             raise ValueError("content must be a string or a list of text parts")
         return v
 
-    def as_template_dict(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        msg = {"role": self.role, "content": text}
+    @model_validator(mode="after")
+    def _role_fields(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role} messages")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content must be a string or a list of text parts (null only for an assistant "
+                             "message with tool_calls)")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"only tool messages carry a tool_call_id, not {self.role} messages")
+        return self
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as HF chat templates read it: text content (``""`` for none), ``developer``
+        as ``system``, and tool-call arguments as objects (templates render them with
+        ``tojson``; a text that is not a JSON object stays text)."""
+        if self.content is None:
+            text = ""
+        else:
+            text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in self.tool_calls]
         return msg
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -163,6 +274,17 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     add_generation_prompt: bool = True
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Literal["none", "auto", "required"] | NamedToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None  # false: tool_choice "required" makes exactly one call
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        if v is None or v in ("none", "auto", "required") or isinstance(v, dict):
+            return v
+        raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                         '{"name": ...}}')
 
 
 class TokenizeRequest(_Strict):
