@@ -17,20 +17,10 @@ TEXTS = ["The quick brown fox jumps over the lazy dog because it was in a hurry 
 
 
 @pytest.fixture(scope="module")
-def folder():
-    from tandem.models.loader import default_model_path, resolve_model
-
-    try:
-        return resolve_model(default_model_path())
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
-def reference(folder):
+def reference(default_model_folder):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(default_model_folder, dtype=torch.float32).eval()
 
     def ref(ids: list[int]) -> list[float]:
         with torch.no_grad():
@@ -58,10 +48,10 @@ def test_echo_logprobs_match_hf_with_chunked_prefill_and_prefix_caching(tmp_path
         assert srv.stop() == 0
 
 
-def test_prompt_logprobs_match_hf_without_chunking_or_caching(folder, reference):
+def test_prompt_logprobs_match_hf_without_chunking_or_caching(default_model_folder, reference):
     from tandem import LLM, SamplingParams
 
-    with LLM(folder, max_model_len=256, enable_prefix_caching=False, enable_chunked_prefill=False) as llm:
+    with LLM(default_model_folder, max_model_len=256, enable_prefix_caching=False, enable_chunked_prefill=False) as llm:
         outs = llm.generate(TEXTS, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     for o in outs:
         ids = o.prompt_token_ids

@@ -8,18 +8,11 @@ import json
 import httpx
 import pytest
 
-from tandem import LLM, SamplingParams
+from tandem import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
 
 IDS = [5, 9, 17, 33, 8, 64, 12, 7, 99, 40, 3, 21]
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama):
-    llm = LLM(tiny_llama, max_model_len=512, num_kv_blocks=512, block_size=16)
-    yield llm
-    llm.shutdown()
 
 
 @pytest.fixture(scope="module")
