@@ -150,6 +150,8 @@ CASES: list[tuple[str, str, str, Any, int, Optional[str], str]] = [
      "null only for an assistant message with tool_calls"),
     ("tool-calls-on-user", "POST", CHAT, chat(messages=[{"role": "user", "content": "t5", "tool_calls": [CALL]}]),
      400, "messages[0]", "only assistant messages carry tool_calls"),
+    ("assistant-refusal", "POST", CHAT, chat(messages=[{"role": "assistant", "content": "t5", "refusal": "t6"}]),
+     400, "messages[0].refusal", "should be None"),
     ("tool-call-arguments-object", "POST", CHAT,
      chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{**CALL, "function": {
          "name": "f", "arguments": {"a": 1}}}]}]), 400, "messages[0].tool_calls[0].function.arguments", ""),

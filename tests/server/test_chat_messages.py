@@ -1,7 +1,8 @@
 """A tool-call conversation replayed through the chat template: ``developer`` as ``system``,
 ``tool`` results with their ``tool_call_id``, assistant turns with ``content: null`` and
 ``tool_calls`` (arguments as objects, as HF templates read them), and ``tools`` offered to
-the template unless ``tool_choice`` is ``"none"``.
+the template unless ``tool_choice`` is ``"none"``; the server runs two API-server processes,
+and the tool flags reach both.
 
 The tiny model's template spells every part of a message in the tokenizer's words, and the
 prompt the server built is read back from ``prompt_logprobs`` (with k = 0 each position
@@ -12,6 +13,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from proc_utils import children_of, cmdline
 from server_utils import ServerProcess
 
 pytestmark = pytest.mark.timeout(600)
@@ -29,7 +31,7 @@ TOOLS = [{"type": "function", "function": {"name": "t50", "description": "a tool
 CONVERSATION = [
     {"role": "developer", "content": "t20"},
     {"role": "user", "content": "t21"},
-    {"role": "assistant", "content": None,
+    {"role": "assistant", "content": None, "refusal": None, "annotations": [], "audio": None, "function_call": None,
      "tool_calls": [{"id": "call-1", "type": "function", "function": {"name": "t50", "arguments": '{"x": "t42"}'}}]},
     {"role": "tool", "tool_call_id": "t77", "content": [{"type": "text", "text": "t43"}]},
     {"role": "assistant", "tool_calls": [{"id": "call-2", "type": "function",
@@ -45,7 +47,8 @@ def tool_server(tiny_llama, tmp_path_factory):
     template = tmp / "tools.jinja"
     template.write_text(TEMPLATE)
     s = ServerProcess(tiny_llama, "--max-model-len", "256", "--num-kv-blocks", "128", "--chat-template", str(template),
-                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes", tmp=tmp, chat_template=False)
+                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--api-server-count", "2",
+                      tmp=tmp, chat_template=False)
     yield s
     assert s.stop() == 0
 
@@ -80,3 +83,23 @@ def test_auto_without_calls_is_plain_content(tool_server):
     assert "tool_calls" not in choice["message"] and choice["finish_reason"] in ("stop", "length")
     assert isinstance(choice["message"]["content"], str) and choice["message"]["content"]
     assert auto["usage"]["prompt_tokens"] > 0 and plain["finish_reason"] in ("stop", "length")
+
+
+def test_the_flags_reach_every_api_server_process(tool_server):
+    """Two API-server processes: each parses "auto" (neither refuses it as unconfigured), and
+    neither has loaded a grammar library (compiling is the engine core's)."""
+    seen: set[str] = set()
+    for _ in range(40):
+        with httpx.Client(timeout=120) as c:  # a fresh connection: the kernel picks the process
+            r = c.post(f"{tool_server.url}/v1/chat/completions",
+                       json={"messages": CONVERSATION[:2], "tools": TOOLS, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        seen.add(r.headers["x-tandem-api-server"])
+        if len(seen) == 2:
+            break
+    assert seen == {"1", "2"}
+    for pid in children_of(tool_server.proc.pid):
+        if "tandem.entrypoints.openai.server_process" in cmdline(pid):
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read()
+            assert "xgrammar" not in maps and "llguidance" not in maps and "libtorch" not in maps

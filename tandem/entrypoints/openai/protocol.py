@@ -206,6 +206,12 @@ class ChatMessage(_Strict):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
+    # Fields of an OpenAI response message, so that one can be sent back as it came: accepted
+    # while they carry nothing (null, or no annotations), refused otherwise (nothing renders them).
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: Optional[list[Any]] = Field(None, max_length=0)
 
     @model_validator(mode="before")
     @classmethod
