@@ -5,6 +5,7 @@ it reaches the scheduler with a message that names the field and the value.
 """
 from __future__ import annotations
 
+import json as _json
 import warnings
 from typing import Annotated, Any, Optional
 
@@ -33,6 +34,21 @@ class StructuredOutputsParams(StrictModel):
     choice: Optional[list[str]] = Field(None, description="the output is exactly one of these strings")
     grammar: Optional[str] = Field(None, description="an EBNF (GBNF) grammar the output must follow")
     json_object: Optional[bool] = Field(None, description="the output is any JSON object")
+
+    @field_validator("json", mode="before")
+    @classmethod
+    def _schema_text_is_json(cls, v: Any) -> Any:
+        """A schema given as JSON text is parsed here (a JSON object then), so a typo is a
+        clear error now rather than a grammar compiler's message later."""
+        if not isinstance(v, str):
+            return v
+        try:
+            schema = _json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"json is not valid JSON text ({e})") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"json must be a JSON schema object, got {type(schema).__name__} {show(v)}")
+        return schema
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "StructuredOutputsParams":

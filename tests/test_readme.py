@@ -9,6 +9,8 @@ below (``RUN``) or listed in ``SKIP`` with the reason; a block that neither know
 - the tensor-parallel ``tandem generate --executor multiproc --tensor-parallel-size 3 ...``:
   exit 0 and the same text as the same command on one rank;
 - the ``Use`` Python snippet, as a script;
+- the structured-outputs snippet (prints JSON of its schema) and ``tandem generate
+  --structured-outputs '{"choice": ...}'`` (prints one of the choices);
 - ``tandem serve`` on a free loopback port, then the ``curl`` example, the ``openai`` client
   snippet and ``tandem bench serve`` against it; then SIGINT: exit 0, no process left.
 
@@ -53,7 +55,9 @@ RUN = {
     "serve": lambda u: _cmd(u, "tandem", "serve"),
     "curl": lambda u: _cmd(u, "curl"),
     "bench_serve": lambda u: _cmd(u, "tandem", "bench", "serve"),
-    "use_snippet": lambda u: _python(u, "from tandem import LLM"),
+    "use_snippet": lambda u: _python(u, "from tandem import LLM") and "StructuredOutputsParams" not in u.text,
+    "structured_snippet": lambda u: _python(u, "StructuredOutputsParams"),
+    "generate_choice": lambda u: _cmd(u, "tandem", "generate") and "--structured-outputs" in u.argv,
     "openai_snippet": lambda u: _python(u, "from openai import OpenAI"),
 }
 
@@ -154,6 +158,23 @@ def test_use_snippet_runs(tmp_path):
     r = run_python(the("use_snippet").text, tmp_path / "use.py", CMD_TIMEOUT_S)
     assert r.returncode == 0, describe(r)
     assert r.stdout.strip(), describe(r)
+
+
+@pytest.mark.timeout(600)
+def test_structured_outputs_snippet_prints_json_of_its_schema(tmp_path):
+    r = run_python(the("structured_snippet").text, tmp_path / "structured.py", CMD_TIMEOUT_S)
+    assert r.returncode == 0, describe(r)
+    person = json.loads(r.stdout)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int), describe(r)
+
+
+@pytest.mark.timeout(600)
+def test_choice_example_answers_one_of_the_choices(tmp_path):
+    argv = the("generate_choice").argv
+    choices = json.loads(option(argv, "--structured-outputs"))["choice"]
+    r = run(argv, CMD_TIMEOUT_S, cwd=tmp_path)
+    assert r.returncode == 0, describe(r)
+    assert r.stdout.strip() in choices, describe(r)
 
 
 # -- the server: started once, used by the client examples, stopped by the last test ---------

@@ -24,6 +24,7 @@ from typing import Any, Optional, Union
 import aiohttp
 
 from tandem.bench.records import RequestRecord
+from tandem.bench.structured import request_fields
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,10 @@ class ClientConfig:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-def build_payload(cfg: ClientConfig, prompt: Prompt, max_tokens: int) -> dict[str, Any]:
-    """The JSON body for one request. Token-id prompts go only to the completions endpoint."""
+def build_payload(cfg: ClientConfig, prompt: Prompt, max_tokens: int,
+                  schema: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The JSON body for one request. Token-id prompts go only to the completions endpoint;
+    ``schema`` constrains the output (``tandem.bench.structured``)."""
     body: dict[str, Any] = {"model": cfg.model}
     if cfg.chat:
         if not isinstance(prompt, str):
@@ -61,6 +64,8 @@ def build_payload(cfg: ClientConfig, prompt: Prompt, max_tokens: int) -> dict[st
                 stream_options={"include_usage": True})
     if cfg.ignore_eos:
         body["ignore_eos"] = True
+    if schema is not None:
+        body.update(request_fields(schema, cfg.chat))
     body.update(cfg.extra_body)
     return body
 
@@ -235,12 +240,13 @@ async def _stream(session: aiohttp.ClientSession, cfg: ClientConfig, body: dict[
 
 
 async def send_request(session: aiohttp.ClientSession, cfg: ClientConfig, prompt: Prompt,
-                       prompt_len: int, max_tokens: int, index: int = -1) -> RequestRecord:
+                       prompt_len: int, max_tokens: int, index: int = -1,
+                       schema: Optional[dict[str, Any]] = None) -> RequestRecord:
     """Send one streamed request and return its record; never raises for server or network
     trouble (only for cancellation). ``prompt_len`` stands until the server's usage says."""
     rec = RequestRecord(index=index, prompt_tokens=prompt_len)
     try:
-        body = build_payload(cfg, prompt, max_tokens)
+        body = build_payload(cfg, prompt, max_tokens, schema)
         await asyncio.wait_for(_stream(session, cfg, body, rec), timeout=cfg.timeout_s)
     except asyncio.TimeoutError:
         rec.error = f"timed out after {cfg.timeout_s:g} s"

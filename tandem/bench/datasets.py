@@ -47,11 +47,13 @@ Prompt = Union[str, list[int]]
 @dataclass(frozen=True)
 class SampleRequest:
     """One request of the workload: its prompt, its length in tokens and the output length
-    to ask for (``max_tokens``; with ``ignore_eos`` the server produces exactly that many)."""
+    to ask for (``max_tokens``; with ``ignore_eos`` the server produces exactly that many);
+    ``schema``: a JSON schema the output is constrained to (``bench/structured.py``)."""
 
     prompt: Prompt
     prompt_len: int
     expected_output_len: int
+    schema: Optional[dict[str, Any]] = None
 
 
 class DatasetError(ValueError):
@@ -119,7 +121,8 @@ async def to_text_prompts(requests: Sequence[SampleRequest],
     out = list(requests)
     for i, text in zip(need, texts):
         r = out[i]
-        out[i] = SampleRequest(prompt=text, prompt_len=r.prompt_len, expected_output_len=r.expected_output_len)
+        out[i] = SampleRequest(prompt=text, prompt_len=r.prompt_len, expected_output_len=r.expected_output_len,
+                               schema=r.schema)
     return out
 
 

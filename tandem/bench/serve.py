@@ -35,6 +35,7 @@ from tandem.bench.datasets import (DatasetError, SampleRequest, load_file_datase
                                    to_text_prompts)
 from tandem.bench.metrics import BenchmarkMetrics, compute_metrics, parse_goodput, parse_percentiles
 from tandem.bench.records import RequestRecord
+from tandem.bench.structured import constrain, load_schema
 from tandem.bench.tokenizers import BenchTokenizer, TokenizerError
 
 logger = logging.getLogger("tandem.bench")
@@ -68,6 +69,8 @@ class BenchmarkConfig:
     random_vocab_size: Optional[int] = None
     tokenizer: Optional[str] = None  # local folder; None: the server's /tokenize, /detokenize
     seed: int = 0
+    structured_output_ratio: float = 0.0  # share of requests sent with a JSON schema
+    structured_output_schema: Optional[str] = None  # a JSON schema file; None: the default
     # load
     request_rate: float = math.inf
     arrival: str = "poisson"
@@ -110,6 +113,10 @@ class BenchmarkConfig:
             raise ValueError(f"--random-vocab-size must be positive, got {self.random_vocab_size}")
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ValueError(f"--tokenizer must be a local folder, not found: {self.tokenizer}")
+        if not 0.0 <= self.structured_output_ratio <= 1.0:
+            raise ValueError(f"--structured-output-ratio must be in [0, 1], got {self.structured_output_ratio}")
+        if self.structured_output_schema is not None and self.structured_output_ratio == 0.0:
+            raise ValueError("--structured-output-schema needs a --structured-output-ratio above 0")
         resolve_arrival(self.arrival, self.burstiness)
 
 
@@ -137,6 +144,7 @@ class BenchmarkResult:
             "error": [r.error for r in recs],
             "prompt_len": [r.prompt_tokens for r in recs],
             "expected_output_len": [s.expected_output_len for s in self.requests],
+            "structured": [s.schema is not None for s in self.requests],
             "output_tokens": [r.output_tokens for r in recs],
             "output_tokens_from_usage": [r.output_tokens_from_usage for r in recs],
             "start_offset_s": [r.start_time - self.start_time for r in recs],
@@ -156,6 +164,7 @@ class BenchmarkResult:
             "base_url": self.config.base_url,
             "endpoint": self.config.endpoint,
             "num_prompts": len(self.requests),
+            "num_structured": sum(s.schema is not None for s in self.requests),
             "request_rate": self.config.request_rate,
             "max_concurrency": self.config.max_concurrency,
             "duration_s": self.duration_s,
@@ -214,6 +223,9 @@ async def build_workload(config: BenchmarkConfig, session: Any, model: str) -> l
             vocab = tok().vocab_size
         samples = random_requests(config.num_prompts, config.random_input_len, config.random_output_len,
                                   config.random_range_ratio, config.random_prefix_len, vocab, config.seed)
+    if config.structured_output_ratio > 0:
+        samples = constrain(samples, config.structured_output_ratio, load_schema(config.structured_output_schema),
+                            config.seed)
     if config.chat:
         samples = await to_text_prompts(samples, tok() if any(not isinstance(s.prompt, str)
                                                               for s in samples) else None)
@@ -234,11 +246,11 @@ async def _paced_run(session: Any, config: BenchmarkConfig, client_cfg: Any,
 
     async def one(i: int, s: SampleRequest) -> RequestRecord:
         if sem is None:
-            rec = await send_request(session, client_cfg, s.prompt, s.prompt_len, s.expected_output_len, i)
+            rec = await send_request(session, client_cfg, s.prompt, s.prompt_len, s.expected_output_len, i, s.schema)
         else:
             async with sem:
                 rec = await send_request(session, client_cfg, s.prompt, s.prompt_len,
-                                         s.expected_output_len, i)
+                                         s.expected_output_len, i, s.schema)
         pbar.update(1)
         return rec
 
@@ -289,12 +301,16 @@ async def run_benchmark(config: BenchmarkConfig,
                                   temperature=config.temperature, timeout_s=config.request_timeout_s,
                                   extra_body=dict(config.extra_body))
         if config.warmup:
-            s = samples[0]
-            logger.info("warm-up request (not measured)")
-            rec = await send_request(session, client_cfg, s.prompt, s.prompt_len,
-                                     min(s.expected_output_len, WARMUP_MAX_TOKENS))
-            if not rec.success:
-                raise BenchmarkError(f"warm-up request to {config.api_url} failed: {rec.error}")
+            # One of each kind: a constrained request's first use also compiles its grammar and
+            # loads the grammar library, which must not fall into the measured window.
+            warm = [next((s for s in samples if s.schema is None), None),
+                    next((s for s in samples if s.schema is not None), None)]
+            for s in (w for w in warm if w is not None):
+                logger.info("warm-up request (not measured)%s", " with a JSON schema" if s.schema else "")
+                rec = await send_request(session, client_cfg, s.prompt, s.prompt_len,
+                                         min(s.expected_output_len, WARMUP_MAX_TOKENS), schema=s.schema)
+                if not rec.success:
+                    raise BenchmarkError(f"warm-up request to {config.api_url} failed: {rec.error}")
         pace = ("all at once" if math.isinf(config.request_rate)
                 else f"{config.request_rate:g} req/s, {config.arrival} arrivals")
         logger.info("sending %d requests (%s, max concurrency %s)", len(samples), pace,
@@ -348,6 +364,9 @@ def format_summary(result: BenchmarkResult) -> str:
 
     row("Model:", result.model)
     row("Endpoint:", cfg.endpoint)
+    if cfg.structured_output_ratio > 0:
+        row("Structured-output requests:", f"{sum(s.schema is not None for s in result.requests)}/"
+                                           f"{len(result.requests)}")
     row("Successful requests:", m.completed)
     row("Failed requests:", m.failed)
     row("Request rate configured (req/s):", "inf" if math.isinf(cfg.request_rate) else f"{cfg.request_rate:.2f}")
@@ -442,6 +461,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    help="local tokenizer folder for counting and decoding (default: the server's "
                         "/tokenize and /detokenize)")
     g.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals (default 0)")
+    g.add_argument("--structured-output-ratio", type=float, default=0.0,
+                   help="share of requests sent with a JSON schema (completions: structured_outputs.json; chat: "
+                        "response_format json_schema), as vLLM's structured-output benchmark (default 0)")
+    g.add_argument("--structured-output-schema", default=None, metavar="FILE",
+                   help="JSON schema file for those requests (default: a list of at least 512 records, which "
+                        "no request can finish, so every output token is constrained)")
 
     g = parser.add_argument_group("load")
     g.add_argument("--request-rate", type=float, default=math.inf,
@@ -495,7 +520,8 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
         sharegpt_output_len=args.sharegpt_output_len, random_input_len=args.random_input_len,
         random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio,
         random_prefix_len=args.random_prefix_len, random_vocab_size=args.random_vocab_size,
-        tokenizer=args.tokenizer, seed=args.seed, request_rate=args.request_rate,
+        tokenizer=args.tokenizer, seed=args.seed, structured_output_ratio=args.structured_output_ratio,
+        structured_output_schema=args.structured_output_schema, request_rate=args.request_rate,
         arrival=resolve_arrival(args.arrival, args.burstiness), burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, warmup=args.warmup, ignore_eos=args.ignore_eos,
         temperature=args.temperature, extra_body=extra, request_timeout_s=args.request_timeout,

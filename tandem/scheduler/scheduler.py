@@ -338,19 +338,14 @@ class Scheduler:
             token = result.sampled_token_ids[k]
             req.num_output_placeholders -= 1
             assert req.num_output_placeholders >= 0, f"placeholders went negative: {req}"
+            if req.grammar is not None and not req.grammar.accept_token(token):
+                outputs[rid] = self._grammar_refused(req, token)
+                continue
             req.output_token_ids.append(token)
             out = EngineCoreOutput(rid, [token], num_cached_tokens=req.num_cached_tokens)
             if result.logprobs is not None:
                 out.logprobs.append(result.logprobs[k])
             outputs[rid] = out
-            if req.grammar is not None and not req.grammar.accept_token(token):
-                # Only a bug (or a min_tokens that forbids the one token the grammar allows)
-                # gets here: the output could no longer follow its constraint.
-                self._finish(req, RequestStatus.FINISHED_ERROR)
-                out.finish_reason = "error"
-                out.error = f"structured outputs: the grammar does not allow the sampled token {token}"
-                logger.warning("request %s: %s", rid, out.error)
-                continue
             status = self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status)
@@ -377,6 +372,16 @@ class Scheduler:
 
         self._release_pending()
         return list(outputs.values())
+
+    def _grammar_refused(self, req: Request, token: int) -> EngineCoreOutput:
+        """The sampled token breaks the request's constraint (the masked sampler cannot pick
+        one unless no token at all was allowed): end the request, without the token."""
+        assert req.grammar is not None
+        error, request_fault = req.grammar.explain_refusal(token)
+        logger.warning("request %s: %s", req.request_id, error)
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+        return EngineCoreOutput(req.request_id, [], finish_reason="error", error=error,
+                                error_kind=INVALID_REQUEST if request_fault else None)
 
     def step_requests(self, step_id: int, req_ids: list[str]) -> list[Request]:
         """The requests ``req_ids`` of an in-flight step (finished ones included)."""

@@ -33,6 +33,10 @@ class GrammarCompileError(ValueError):
     """The constraint does not compile: the request's fault, with the compiler's message."""
 
 
+class GrammarBackendError(RuntimeError):
+    """The backend could not be built for this model (the engine's problem, not a request's)."""
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """One constraint, hashable: the key of the compiled-grammar cache.
@@ -94,6 +98,12 @@ class GrammarBackend(abc.ABC):
     @abc.abstractmethod
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile ``spec``; raises ``GrammarCompileError`` with the compiler's message."""
+
+    def fill_bitmasks(self, matchers: list[Matcher], bitmask: Any, rows: list[int]) -> None:
+        """Fill row ``rows[i]`` of ``bitmask`` for ``matchers[i]`` (a whole step's worth; a
+        backend may spread the rows over threads)."""
+        for m, row in zip(matchers, rows):
+            m.fill_bitmask(bitmask, row)
 
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")

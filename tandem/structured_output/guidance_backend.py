@@ -66,6 +66,11 @@ class GuidanceBackend(GrammarBackend):
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)
         self._stop = frozenset(stop_token_ids)
+        self._executor = llg.LLExecutor()  # llguidance's thread pool for a step's rows
+
+    def fill_bitmasks(self, matchers: list[Matcher], bitmask: Any, rows: list[int]) -> None:
+        llguidance.torch.fill_next_token_bitmask_par(
+            self._executor, [(m._m, row) for m, row in zip(matchers, rows)], bitmask)  # type: ignore[attr-defined]
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         try:

@@ -21,8 +21,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Iterable, Optional
 
 from tandem.sampling_params import StructuredOutputsParams
-from tandem.structured_output.backend import (CompiledGrammar, GrammarBackend, GrammarCompileError, GrammarSpec,
-                                              Matcher, create_backend)
+from tandem.structured_output.backend import (CompiledGrammar, GrammarBackend, GrammarBackendError,
+                                              GrammarCompileError, GrammarSpec, Matcher, create_backend)
 from tandem.types.grammar import GrammarOutput
 from tandem.types.request import Request
 
@@ -36,10 +36,12 @@ class RequestGrammarState:
     thread only (the compilation future is the one thing another thread touches).
     """
 
-    __slots__ = ("_future", "matcher", "_error", "error_is_request_fault")
+    __slots__ = ("_future", "_bitmask_words", "_stop_token_ids", "matcher", "_error", "error_is_request_fault")
 
-    def __init__(self, future: "Future[CompiledGrammar]") -> None:
+    def __init__(self, future: "Future[CompiledGrammar]", bitmask_words: int, stop_token_ids: list[int]) -> None:
         self._future = future
+        self._bitmask_words = bitmask_words
+        self._stop_token_ids = stop_token_ids
         self.matcher: Optional[Matcher] = None
         self._error: Optional[str] = None
         self.error_is_request_fault = True
@@ -58,8 +60,9 @@ class RequestGrammarState:
             self.matcher = self._future.result().new_matcher()
         except GrammarCompileError as e:
             self._error = str(e)
-        except Exception as e:  # the backend could not be built: not the request's fault
-            self._error = f"structured outputs are unavailable: {type(e).__name__}: {e}"
+        except Exception as e:  # the backend could not be built, or a bug: not the request's fault
+            self._error = str(e) if isinstance(e, GrammarBackendError) else f"structured outputs failed: " \
+                                                                            f"{type(e).__name__}: {e}"
             self.error_is_request_fault = False
         return True
 
@@ -72,6 +75,26 @@ class RequestGrammarState:
         and ``ignore_eos`` kept the request going) nothing constrains the output any more."""
         assert self.matcher is not None, "a token for a request whose grammar never compiled"
         return self.matcher.is_terminated or self.matcher.accept_token(token)
+
+    def explain_refusal(self, token: int) -> tuple[str, bool]:
+        """The masked sampler picks a refused token only when every token the mask allowed
+        was banned: none at all (the vocabulary cannot spell what the constraint needs next)
+        or only the stop token of a complete answer, which min_tokens forbids. Both are the
+        request's fault; anything else would be the engine's."""
+        import torch
+
+        assert self.matcher is not None
+        row = torch.zeros((1, self._bitmask_words), dtype=torch.int32)
+        self.matcher.fill_bitmask(row, 0)
+        bits = ((row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).reshape(-1)
+        allowed = int(bits.sum())
+        if allowed == 0:
+            return ("structured outputs: no token of the model's vocabulary can continue the output under its "
+                    "constraint", True)
+        if allowed == sum(int(bits[t]) for t in self._stop_token_ids if t < bits.numel()):
+            return ("structured outputs: the output is complete and only the stop token may follow, but min_tokens "
+                    "forbids it", True)
+        return f"structured outputs: the sampled token {token} is not allowed by the constraint", False
 
 
 class StructuredOutputManager:
@@ -103,7 +126,7 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(spec)
-        return RequestGrammarState(fut)
+        return RequestGrammarState(fut, self.bitmask_words, self.stop_token_ids)
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         return self._get_backend().compile(spec)
@@ -113,8 +136,13 @@ class StructuredOutputManager:
             if self._backend is None:
                 from tandem.tokenizer import load_tokenizer
 
-                self._backend = create_backend(self.backend_name, load_tokenizer(self.tokenizer_path),
-                                               self.vocab_size, self.stop_token_ids)
+                try:
+                    self._backend = create_backend(self.backend_name, load_tokenizer(self.tokenizer_path),
+                                                   self.vocab_size, self.stop_token_ids)
+                except Exception as e:
+                    raise GrammarBackendError(f"the {self.backend_name} structured outputs backend could not start "
+                                              f"for this model: {type(e).__name__}: {' '.join(str(e).split())}") \
+                        from e
                 logger.info("structured outputs: %s backend ready", self.backend_name)
             return self._backend
 
@@ -135,12 +163,17 @@ class StructuredOutputManager:
         import torch
 
         bitmask = torch.full((len(requests), self.bitmask_words), -1, dtype=torch.int32)
+        matchers, rows = [], []
         for i, req in enumerate(requests):
             g = req.grammar
             if req.is_finished or not isinstance(g, RequestGrammarState) or g.matcher is None:
                 continue
             if not g.matcher.is_terminated:
-                g.matcher.fill_bitmask(bitmask, i)
+                matchers.append(g.matcher)
+                rows.append(i)
+        if matchers:
+            assert self._backend is not None  # a matcher exists, so its backend does
+            self._backend.fill_bitmasks(matchers, bitmask, rows)
         return GrammarOutput(step_id, req_ids, bitmask)
 
     def shutdown(self) -> None:

@@ -64,12 +64,25 @@ class _XGrammarCompiled(CompiledGrammar):
         return _XGrammarMatcher(self._compiled)
 
 
+# Below this many rows a step's bitmask is filled on the engine thread; above, by xgrammar's
+# own threads (each row costs microseconds, threads cost more to start).
+_PARALLEL_FILL_ROWS = 16
+
+
 class XGrammarBackend(GrammarBackend):
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         # tandem keeps its own cache of compiled grammars (by constraint); xgrammar's would
         # only hold the same ones a second time.
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+
+    def fill_bitmasks(self, matchers: list[Matcher], bitmask: Any, rows: list[int]) -> None:
+        if len(matchers) < _PARALLEL_FILL_ROWS:
+            super().fill_bitmasks(matchers, bitmask, rows)
+            return
+        self._batch.batch_fill_next_token_bitmask([m._m for m in matchers],  # type: ignore[attr-defined]
+                                                  bitmask, rows)
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         c = self._compiler

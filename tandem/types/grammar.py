@@ -45,3 +45,7 @@ class RequestGrammar(Protocol):
 
     def accept_token(self, token: int) -> bool:
         """Advance by a sampled token; False when the grammar does not allow it."""
+
+    def explain_refusal(self, token: int) -> tuple[str, bool]:
+        """After ``accept_token(token)`` was False: a one-line reason, and whether it is the
+        request's fault (no token of the vocabulary can continue its constraint)."""

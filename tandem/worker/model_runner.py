@@ -37,7 +37,7 @@ from tandem.types.grammar import GrammarOutput
 from tandem.types.scheduler_output import SchedulerOutput
 from tandem.worker.async_output import AsyncModelOutput, HostBufferRing
 from tandem.worker.input_batch import CachedRequestState, InputBatch
-from tandem.worker.staging import Segment, StagingBuffer
+from tandem.worker.staging import BitmaskStager, Segment, StagingBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ class ModelRunner:
         self.num_kv_heads = 1
         self.stats_graph_steps = 0
         self._pending: Optional[LaunchedForward] = None  # a constrained step's forward, until sampled
+        self.bitmasks = BitmaskStager(max_num_seqs, device)
 
     def init_kv_cache(self, num_blocks: int, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_kv_heads = num_kv_heads
@@ -446,16 +447,14 @@ class ModelRunner:
 
     def _bitmask_rows(self, grammar: GrammarOutput, req_ids: list[str]) -> torch.Tensor:
         """The bitmask laid out by sampled row (unconstrained rows all ones), on the device."""
-        bitmask = grammar.bitmask
+        rows = None
         if grammar.req_ids != req_ids:
             pos = {rid: k for k, rid in enumerate(req_ids)}
             missing = [rid for rid in grammar.req_ids if rid not in pos]
             if missing:
                 raise RuntimeError(f"step {grammar.step_id}: bitmask rows for requests that do not sample: {missing}")
-            full = torch.full((len(req_ids), bitmask.shape[1]), -1, dtype=torch.int32)
-            full[[pos[rid] for rid in grammar.req_ids]] = bitmask
-            bitmask = full
-        return bitmask.to(self.device, non_blocking=True)
+            rows = [pos[rid] for rid in grammar.req_ids]
+        return self.bitmasks.stage(grammar.bitmask, rows, len(req_ids))
 
     # -- 4. sampling inputs ----------------------------------------------------------------
     def _stage_sampling(self, plan: StepPlan, sample_idx: np.ndarray,

@@ -100,3 +100,55 @@ class StagingBuffer:
         """The device tensor of a segment (int32, int64 or float32)."""
         words = seg.count * seg.dtype.itemsize // 4
         return self.device_buf[seg.offset:seg.offset + words].view(_DTYPES[seg.dtype])
+
+
+class BitmaskStager:
+    """A constrained step's token bitmask, laid out by sampled row, onto the device.
+
+    On CUDA the rows are assembled in one of two pinned buffers (allocated on the first
+    constrained step, sized for ``max_rows``) and copied without blocking into one device
+    buffer, as the staging buffer does: a pinned buffer is rewritten only after the copy that
+    last read it has finished. (A copy from pageable memory may wait for the stream, i.e.
+    for the forward pass the bitmask is meant to overlap.) On the CPU the host rows are used
+    as they are.
+    """
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.max_rows = max_rows
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._hosts: list[torch.Tensor] = []
+        self._events: list[Optional[torch.cuda.Event]] = [None, None]
+        self._device_buf: Optional[torch.Tensor] = None
+        self._cur = 0
+
+    def stage(self, bitmask: torch.Tensor, rows: Optional[list[int]], num_rows: int) -> torch.Tensor:
+        """``[num_rows, words]`` on the device: row ``rows[i]`` is ``bitmask[i]`` (``rows`` None:
+        ``bitmask`` is already laid out), every other row all ones (unconstrained)."""
+        words = bitmask.shape[1]
+        if not self.cuda:
+            if rows is None:
+                return bitmask
+            full = torch.full((num_rows, words), -1, dtype=torch.int32)
+            full[rows] = bitmask
+            return full
+        if not self._hosts or self._hosts[0].shape[1] != words:
+            self._hosts = [torch.empty((self.max_rows, words), dtype=torch.int32, pin_memory=True) for _ in range(2)]
+            self._device_buf = torch.empty((self.max_rows, words), dtype=torch.int32, device=self.device)
+        self._cur ^= 1
+        ev = self._events[self._cur]
+        if ev is not None and not ev.query():
+            ev.synchronize()  # the copy that last read this pinned buffer is not done yet
+        host = self._hosts[self._cur][:num_rows]
+        if rows is None:
+            host.copy_(bitmask)
+        else:
+            host.fill_(-1)
+            host[rows] = bitmask
+        assert self._device_buf is not None
+        dev = self._device_buf[:num_rows]
+        dev.copy_(host, non_blocking=True)
+        ev = ev or torch.cuda.Event()
+        ev.record()
+        self._events[self._cur] = ev
+        return dev

@@ -156,6 +156,8 @@ def test_main_exit_codes(tmp_path: Path, capsys):
         ["--base-url", down, "--arrival", "poisson", "--burstiness", "2"],
         ["--base-url", down, "--extra-body", "[1]"],
         ["--base-url", down, "--tokenizer", str(tmp_path / "nope")],
+        ["--base-url", down, "--structured-output-ratio", "1.5"],
+        ["--base-url", down, "--structured-output-schema", str(tmp_path / "s.json")],  # without a ratio
     ]
     for argv in usage:
         assert main(parse(argv + ["--disable-tqdm"])) == 2, argv
@@ -167,8 +169,51 @@ def test_main_exit_codes(tmp_path: Path, capsys):
                 "4", "--random-output-len", "2", "--disable-tqdm", "--no-warmup"]
         missing = main(parse(base + ["--dataset-path", str(tmp_path / "missing.jsonl")]))
         assert missing == 2 and "dataset file not found" in capsys.readouterr().err
+        (tmp_path / "bad.json").write_text("[1, 2]")
+        for schema in ("bad.json", "none.json"):
+            rc = main(parse(base + ["--structured-output-ratio", "0.5", "--structured-output-schema",
+                                    str(tmp_path / schema)]))
+            assert rc == 2 and "--structured-output-schema" in capsys.readouterr().err
         assert main(parse(base)) == 0  # failures reported, not an error by default
         assert main(parse(base + ["--fail-on-error"])) == 1
+
+
+def test_structured_output_share_completions():
+    """A quarter of the requests carry vLLM's ``structured_outputs.json`` with the default
+    schema (which no request can finish); the rest are unchanged; the result says which."""
+    from tandem.bench.structured import DEFAULT_SCHEMA
+
+    with FakeOpenAIServer() as srv:
+        res = asyncio.run(run_benchmark(cfg(srv.base_url, structured_output_ratio=0.25)))
+        sent = srv.requests
+    warm, sent = sent[:2], sent[2:]  # one warm-up of each kind: the grammar compiles before the measurement
+    assert ["structured_outputs" in b for b in warm] == [False, True]
+    flags = res.per_request()["structured"]
+    assert sum(flags) == 2 and res.to_dict()["num_structured"] == 2
+    by_prompt = {tuple(b["prompt"]): b for b in sent}
+    for s, flag in zip(res.requests, flags):
+        body = by_prompt[tuple(s.prompt)]
+        assert ("structured_outputs" in body) == flag and "response_format" not in body
+        if flag:
+            assert body["structured_outputs"] == {"json": DEFAULT_SCHEMA}
+        assert body["max_tokens"] == s.expected_output_len and body["ignore_eos"] is True
+    assert "Structured-output requests:" in format_summary(res) and res.metrics.completed == 8
+
+
+def test_structured_output_chat_response_format(tmp_path: Path):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    with FakeOpenAIServer() as srv:
+        res = asyncio.run(run_benchmark(cfg(srv.base_url, endpoint="/v1/chat/completions", model="stub-model",
+                                            structured_output_ratio=1.0,
+                                            structured_output_schema=str(tmp_path / "schema.json"))))
+        sent = srv.requests
+    chat = [b for b in sent if "messages" in b]
+    assert len(chat) == 9 and all(res.per_request()["structured"])  # one warm-up: no unconstrained request
+    for b in chat:
+        assert b["response_format"] == {"type": "json_schema", "json_schema": {"name": "bench_records",
+                                                                               "schema": schema}}
+        assert "structured_outputs" not in b
 
 
 def test_warmup_failure_stops_the_run(capsys):

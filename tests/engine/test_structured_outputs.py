@@ -172,3 +172,17 @@ def test_seeded_constrained_sampling_async_equals_sync_and_is_batch_independent(
     for a in (False, True):
         res = run_workload(engine(tiny_llama, a, max_num_batched_tokens=8), items).outputs
         assert_same({"s": alone["s"]}, {"s": res["s"]}, [items[-1]])
+
+
+def test_front_end_imports_no_grammar_library_and_no_torch():
+    """API-server processes must not import torch (xgrammar and llguidance both do): the
+    structured-output package and the modules the front end loads import them lazily."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tandem.structured_output, tandem.engine.engine_core, tandem.engine.async_llm, "
+            "tandem.entrypoints.openai.api_server; "
+            "print([m for m in ('torch', 'xgrammar', 'llguidance') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

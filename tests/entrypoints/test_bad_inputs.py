@@ -29,6 +29,7 @@ import pytest
 
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
+from tandem.sampling_params import StructuredOutputsParams
 from tandem.entrypoints import cli
 
 pytestmark = pytest.mark.timeout(300)
@@ -133,6 +134,31 @@ CASES = [
              "--logit-bias", '{{"5": 500}}'),
     cli_case("--logit-bias token beyond the vocabulary", "logit_bias token ids must be in [0, 128)", *TINY,
              "--prompt", "t5", "--logit-bias", '{{"999": 1}}'),
+    # -- structured outputs ----------------------------------------------------------------------
+    cli_case("--structured-outputs regex that does not compile", "the regex does not compile", *TINY,
+             "--prompt", "t5", "--structured-outputs", '{{"regex": "(t2[0-9"}}'),
+    cli_case("--structured-outputs JSON schema of an unknown type", "the JSON schema does not compile", *TINY,
+             "--prompt", "t5", "--structured-outputs", '{{"json": {{"type": "objectx"}}}}'),
+    cli_case("--structured-outputs grammar with an undefined rule", "the grammar does not compile", *TINY,
+             "--prompt", "t5", "--structured-outputs", '{{"grammar": "root ::= x"}}'),
+    cli_case("--structured-outputs json that is not JSON text", "json is not valid JSON text", *TINY,
+             "--prompt", "t5", "--structured-outputs", '{{"json": "{{nope"}}'),
+    cli_case("--structured-outputs with two constraints", "exactly one of json, regex, choice, grammar", *TINY,
+             "--prompt", "t5", "--structured-outputs", '{{"regex": "a", "choice": ["b"]}}'),
+    cli_case("--structured-outputs with an empty choice", "choice must list at least one string", *TINY,
+             "--prompt", "t5", "--structured-outputs", '{{"choice": []}}'),
+    cli_case("--structured-outputs misspelt key", "did you mean 'regex'", *TINY, "--prompt", "t5",
+             "--structured-outputs", '{{"rgx": "a"}}'),
+    cli_case("--structured-outputs the vocabulary cannot spell", "no token of the model's vocabulary", *TINY,
+             "--prompt", "t5", "--structured-outputs", '{{"json_object": true}}'),
+    cli_case("--structured-outputs choice shorter than --min-tokens", "min_tokens forbids it", *TINY,
+             "--prompt", "t5", "--structured-outputs", '{{"choice": ["t2"]}}', "--min-tokens", "3",
+             "--max-tokens", "4"),
+    cli_case("--structured-outputs-backend guidance on a tokenizer llguidance cannot read",
+             "guidance structured outputs backend could not start", *TINY, "--prompt", "t5",
+             "--structured-outputs", '{{"regex": "t2"}}', "--structured-outputs-backend", "guidance"),
+    cli_case("--structured-outputs-backend not a backend", "invalid choice", *TINY,
+             "--structured-outputs-backend", "outlines"),
     # -- --input and --output --------------------------------------------------------------------
     cli_case("--input that does not exist", "does not exist", *TINY, "--input", "{tmp}/nope.jsonl"),
     cli_case("--input that is a folder", "is a folder", *TINY, "--input", "{tmp}"),
@@ -166,6 +192,9 @@ CASES = [
              "16", "--prompt", "What is the capital of France?", setup=("default_model",)),
     cli_case("--tensor-parallel-size 2, default model (9 heads)", "num_attention_heads 9 is not divisible",
              "--tensor-parallel-size", "2", "--prompt", "Hello", setup=("default_model",)),
+    cli_case("--structured-outputs schema with an unknown type, default model", "the JSON schema does not compile",
+             "--chat", "--prompt", "Hello", "--structured-outputs",
+             '{{"json": {{"type": "object", "properties": {{"a": {{"type": "strin"}}}}}}}}', setup=("default_model",)),
     # -- as a separate process: the real exit status --------------------------------------------
     cli_case("empty prompt (process)", "the prompt is empty", *TINY, "--prompt", "", setup=("process",)),
     cli_case('JSONL {"prompt": 42} (process)', "'prompt' must be a string", *TINY,
@@ -225,6 +254,13 @@ CASES = [
     api_case("LLM(tiny, max_model_len=100000)", "exceeds the model's context length"),
     api_case("LLM(tiny, tensor_parallel_size=3)", "does not fit this model"),
     api_case('EngineConfig(max_num_seqs="8")', "max_num_seqs must be an integer, got str"),
+    api_case('llm.generate(["t5"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(t2")))',
+             "the regex does not compile"),
+    api_case('llm.generate(["t5", "t6"], [SamplingParams(), SamplingParams(structured_outputs={"grammar": "x"})])',
+             "prompt 1: the grammar does not compile"),
+    api_case('StructuredOutputsParams(regex="t2", json_object=True)', "exactly one of json, regex, choice"),
+    api_case('SamplingParams(structured_outputs={"json": "[1]"})', "json must be a JSON schema object"),
+    api_case('LLM(tiny, structured_outputs_backend="outlines")', "structured_outputs_backend must be"),
 ]
 RESULTS: dict[str, tuple[str, str]] = {}  # case id -> (result, message)
 
@@ -333,7 +369,8 @@ def test_cli_case(case, files, capsys, monkeypatch, tmp_path):
 def test_api_case(case, files, llms, monkeypatch, tmp_path):
     _setup(case, monkeypatch, tmp_path)
     namespace: dict[str, Any] = {**llms, "tiny": files["tiny"], "SamplingParams": SamplingParams, "LLM": LLM,
-                                 "EngineConfig": EngineConfig, "math": math}
+                                 "EngineConfig": EngineConfig, "StructuredOutputsParams": StructuredOutputsParams,
+                                 "math": math}
     with pytest.raises((ValueError, TypeError)) as ei:
         eval(case.code, namespace)  # noqa: S307 - the table shows exactly this code
     message = str(ei.value)

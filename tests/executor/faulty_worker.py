@@ -8,7 +8,8 @@ Steps are counted per worker from the moment the fault is armed; ``at_step=1`` m
 
 Kinds: ``raise`` (an exception inside the step), ``kill`` (SIGKILL to itself mid-step, as
 the OOM killer would), ``exit`` (``os._exit(3)``, as a segfaulting extension might end),
-``hang`` (sleeps, as a stuck collective would).
+``hang`` (sleeps, as a stuck collective would), ``raise_in_sampling`` (an exception in the
+``at_step``-th ``sample_tokens`` call, the second call of a constrained step).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Optional
 
 from tandem.worker.worker import Worker
 
-FAULT_KINDS = ("raise", "kill", "exit", "hang")
+FAULT_KINDS = ("raise", "kill", "exit", "hang", "raise_in_sampling")
 
 
 class InjectedFault(RuntimeError):
@@ -44,16 +45,24 @@ class FaultyWorker(Worker):
         return True
 
     def execute_model(self, so):
-        if self._fault is not None:
-            self._steps_since_armed += 1
-            kind, at = self._fault
-            if self._steps_since_armed == at:
-                self._fault = None
-                self._fire(kind, so.step_id)
+        self._count_towards_fault(so.step_id, sampling=False)
         return super().execute_model(so)
 
+    def sample_tokens(self, grammar):
+        self._count_towards_fault(grammar.step_id, sampling=True)
+        return super().sample_tokens(grammar)
+
+    def _count_towards_fault(self, step_id: int, sampling: bool) -> None:
+        if self._fault is None or (self._fault[0] == "raise_in_sampling") != sampling:
+            return
+        self._steps_since_armed += 1
+        kind, at = self._fault
+        if self._steps_since_armed == at:
+            self._fault = None
+            self._fire(kind, step_id)
+
     def _fire(self, kind: str, step_id: int) -> None:
-        if kind == "raise":
+        if kind in ("raise", "raise_in_sampling"):
             raise InjectedFault(f"injected fault in rank {self.rank} at step {step_id}")
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)

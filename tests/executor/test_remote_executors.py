@@ -151,10 +151,12 @@ def _set_depth(llm: LLM, async_scheduling: bool) -> LLMEngine:
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("tp", [1, 2])
 def test_matches_uniproc_sync_and_async(engines, tp, setting):
+    """(The third workload has constrained requests: their steps take two calls, and under
+    tensor parallelism every rank takes part in both.)"""
     llm = engines.get(tp, setting)
     try:
-        for seed in (3, 11):
-            items = random_workload(seed, VOCAB)
+        for seed, constrained in ((3, 0.0), (11, 0.0), (5, 0.5)):
+            items = random_workload(seed, VOCAB, constrained=constrained)
             ref = run_workload(engines.ref(setting), items)
             for async_scheduling in (False, True):
                 got = run_workload(_set_depth(llm, async_scheduling), items)
@@ -162,6 +164,7 @@ def test_matches_uniproc_sync_and_async(engines, tp, setting):
     finally:
         _set_depth(llm, True)
     assert llm.engine.core.stats.num_launched_ahead > 0, f"async {engines.kind} executor never overlapped two steps"
+    assert llm.engine.core.stats.num_sampling_deferred > 0, "no constrained step deferred its sampling"
 
 
 # -- the RPC contract ----------------------------------------------------------------------
@@ -227,6 +230,19 @@ def test_tp1_worker_raising_at_step_n_fails_the_requests_and_engine_stays_usable
     assert all(o.outputs[0].finish_reason == "error" for o in ei.value.outputs)
     out = llm.generate([[5, 6, 7]], SP, use_tqdm=False)  # the worker survives its own exception
     assert len(out[0].outputs[0].token_ids) == 12
+
+
+@pytest.mark.timeout(60)
+def test_tp1_worker_raising_in_sample_tokens_fails_the_requests_and_engine_stays_usable(engines):
+    llm = engines.get(1)
+    constrained = SamplingParams(temperature=0, max_tokens=12, structured_outputs={"regex": "(t2[0-9]?)+"})
+    llm.engine.core.executor.collective_rpc("set_fault", "raise_in_sampling", 3, 0)
+    with pytest.raises(RequestError) as ei:
+        llm.generate([[5, 6, 7], [8, 9]], [SP, constrained], use_tqdm=False)
+    assert "InjectedFault" in str(ei.value) and "sample_tokens" in str(ei.value)
+    assert all(o.outputs[0].finish_reason == "error" for o in ei.value.outputs)
+    out = llm.generate([[5, 6, 7], [8, 9]], [SP, constrained], use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 12 and out[1].error is None
 
 
 @pytest.mark.timeout(90)

@@ -114,6 +114,21 @@ def test_bf16_triton_matches_sdpa_on_most_prompts(sharp_model, capsys):
     assert all(gap <= 0.5 for gap in gaps), msg
 
 
+def _sync_checked(fn, errors: list[str]):
+    """``fn`` run under sync-debug mode "error" (an implicit device->host sync raises); the
+    traceback of any failure is kept in ``errors``."""
+    def call(arg):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn(arg)
+        except Exception:
+            errors.append(traceback.format_exc())
+            raise
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return call
+
+
 def test_decode_launches_have_no_hidden_synchronization(sharp_model):
     """Every step's launch (staging, graph replay or eager forward, sampling, the async
     copy) runs under sync-debug mode "error": any implicit device->host sync raises."""
@@ -122,20 +137,8 @@ def test_decode_launches_have_no_hidden_synchronization(sharp_model):
     with _llm(sharp_model, dtype="bfloat16") as llm:
         runner = llm.engine.core.executor.worker.runner
         llm.generate(_prompts(4, 5, 20), SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm
-        launch = runner.execute_model
         errors: list[str] = []
-
-        def checked(so):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return launch(so)
-            except Exception:
-                errors.append(traceback.format_exc())
-                raise
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-
-        runner.execute_model = checked
+        runner.execute_model = _sync_checked(runner.execute_model, errors)
         prompts = _prompts(24, 5, 120, seed=2)
         params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                   SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=24, ignore_eos=True),
@@ -191,3 +194,61 @@ def test_async_vs_sync_with_unpredictable_finishes(sharp_model, capsys):
         print(f"{dtype}: {same}/{len(prompts)} identical, {eos} finished by EOS")
         if dtype == "float32":
             assert asyn == sync
+
+
+CONSTRAINED_REGEX = r"(t2[0-9]?|t3[0-9]?)+"
+
+
+def _constrained_params(n: int) -> list:
+    """Every other request constrained (greedy or seeded), the rest free; no EOS finishes
+    in the free ones, so async and sync run the same batches."""
+    from tandem import SamplingParams
+    from tandem.sampling_params import StructuredOutputsParams
+
+    so = StructuredOutputsParams(regex=CONSTRAINED_REGEX)
+    out = []
+    for i in range(n):
+        if i % 2:
+            out.append(SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        else:
+            out.append(SamplingParams(temperature=0.0 if i % 4 else 0.9, seed=i, max_tokens=32,
+                                      structured_outputs=so))
+    return out
+
+
+def test_constrained_decoding_on_the_gpu_async_equals_sync(sharp_model):
+    """The split step on CUDA: decode graphs run the forward, the bitmask (pinned, copied
+    without a sync) masks the logits with xgrammar's kernel, sampling deferred behind the
+    next forward in async mode. fp32: async == sync exactly; every constrained output that
+    ended with EOS matches its regex."""
+    import re
+
+    prompts = _prompts(32, 5, 80, seed=5)
+    params = _constrained_params(len(prompts))
+    with _llm(sharp_model, dtype="float32", async_scheduling=False) as s:
+        sync = _tokens(s, prompts, params)
+    with _llm(sharp_model, dtype="float32", async_scheduling=True) as a:
+        asyn = _tokens(a, prompts, params)
+        core, runner = a.engine.core, a.engine.core.executor.worker.runner
+        assert core.stats.num_sampling_deferred > 0 and runner.stats_graph_steps > 0
+    assert asyn == sync
+    for toks, sp in zip(sync, params):
+        if sp.structured_outputs is not None and toks and toks[-1] == 1:
+            assert re.fullmatch(CONSTRAINED_REGEX, "".join(f"t{t}" for t in toks[:-1]))
+
+
+def test_constrained_steps_launch_without_hidden_synchronization(sharp_model):
+    """Both calls of a constrained step (forward; bitmask upload, mask, sample) run under
+    sync-debug mode "error"."""
+    with _llm(sharp_model, dtype="bfloat16") as llm:
+        runner = llm.engine.core.executor.worker.runner
+        prompts = _prompts(8, 5, 40, seed=6)
+        llm.generate(prompts, _constrained_params(len(prompts)), use_tqdm=False)  # warm: imports, Triton
+        errors: list[str] = []
+        runner.execute_model = _sync_checked(runner.execute_model, errors)
+        runner.sample_tokens = _sync_checked(runner.sample_tokens, errors)
+        try:
+            outs = llm.generate(_prompts(16, 5, 60, seed=7), _constrained_params(16), use_tqdm=False)
+        finally:
+            assert not errors, errors[0]
+        assert all(o.error is None for o in outs)

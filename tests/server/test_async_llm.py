@@ -190,3 +190,33 @@ async def last(stream):
     async for out in stream:
         pass
     return out
+
+
+def test_structured_outputs_across_the_core_process(tiny_llama):
+    """A constrained request runs in the engine-core process (the grammar library is loaded
+    there only); one whose regex does not compile ends with the compiler's message marked
+    ``error_kind="invalid_request"`` (what a server answers with 400), and the core goes on."""
+    from tandem.sampling_params import StructuredOutputsParams
+    from tandem.types.engine_output import INVALID_REQUEST
+
+    good = SamplingParams(temperature=0, max_tokens=8,
+                          structured_outputs=StructuredOutputsParams(choice=["t2t3", "t4"]))
+    bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="(t2"))
+
+    async def last(engine: AsyncLLM, rid: str, sp: SamplingParams):
+        out = None
+        async for out in engine.generate(rid, [5, 6, 7], sp):
+            pass
+        return out
+
+    async def main():
+        engine = AsyncLLM(EngineConfig(model=tiny_llama, **ENGINE), engine_core="process")
+        try:
+            return await asyncio.gather(last(engine, "good", good), last(engine, "bad", bad))
+        finally:
+            await engine.shutdown()
+
+    ok, refused = asyncio.run(main())
+    assert ok.error is None and ok.outputs[0].text.replace(" ", "") in ("t2t3", "t4")
+    assert refused.error_kind == INVALID_REQUEST and refused.outputs[0].finish_reason == "error"
+    assert refused.error.startswith("the regex does not compile") and "\n" not in refused.error

@@ -102,3 +102,25 @@ def test_tokens_past_the_tokenizer_are_never_allowed(tokenizer):
         m = create_backend(name, tokenizer, vocab, [tokenizer.eos_token_id]).compile(
             GrammarSpec.of(S(json_object=True))).new_matcher()
         assert not allowed(m, vocab)[len(tokenizer):].any(), name
+
+
+def test_step_fill_equals_row_by_row_fill(backend, tokenizer):
+    """``fill_bitmasks`` (xgrammar's and llguidance's threads) writes exactly what filling
+    each row alone writes, into the given rows only, for matchers in different states."""
+    so, text = VALID[0]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    compiled = backend.compile(GrammarSpec.of(so))
+    matchers = []
+    for k in range(40):
+        m = compiled.new_matcher()
+        for t in ids[:k % len(ids)]:
+            assert m.accept_token(t)
+        matchers.append(m)
+    words = -(-len(tokenizer) // 32)
+    rows = [2 * k + 1 for k in range(len(matchers))]
+    one = torch.full((2 * len(matchers) + 1, words), 7, dtype=torch.int32)
+    for m, r in zip(matchers, rows):
+        m.fill_bitmask(one, r)
+    step = torch.full_like(one, 7)
+    backend.fill_bitmasks(matchers, step, rows)
+    assert torch.equal(one, step) and (step[0::2] == 7).all()
