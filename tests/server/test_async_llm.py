@@ -210,7 +210,7 @@ def test_structured_outputs_across_the_core_process(tiny_llama):
         return out
 
     async def main():
-        engine = AsyncLLM(EngineConfig(model=tiny_llama, **ENGINE), engine_core="process")
+        engine = AsyncLLM.start(EngineConfig(model=tiny_llama, **ENGINE))
         try:
             return await asyncio.gather(last(engine, "good", good), last(engine, "bad", bad))
         finally:
