@@ -47,13 +47,13 @@ def log(msg: str) -> None:
 
 
 # -- setup -------------------------------------------------------------------------------
-def build_model(folder: str, shape: dict[str, Any]) -> str:
+def build_model(folder: str, shape: dict[str, Any], device: str = "cuda") -> str:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
     cfg = Qwen2Config(max_position_embeddings=MAX_LEN, eos_token_id=1, bos_token_id=0, **shape)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(folder, safe_serialization=True)
     vocab = {f"t{i}": i for i in range(1000)}

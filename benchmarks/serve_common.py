@@ -25,15 +25,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Optional[str], engine_args: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
-    """``python -m tandem.entrypoints.openai`` on a free loopback port; returns once /health is 200."""
+def start_server(model: Optional[str], engine_args: list[str], log_path: str,
+                 env: Optional[dict[str, str]] = None) -> tuple[subprocess.Popen, str]:
+    """``python -m tandem.entrypoints.openai`` on a free loopback port (``env``: the server's
+    environment, default this one); returns once /health is 200."""
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "tandem.entrypoints.openai", *([model] if model else []), "--port", str(port),
            *engine_args]
     log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:

@@ -1,8 +1,12 @@
 """tandem: an LLM serving engine whose scheduler runs one step ahead of the device."""
-from tandem.sampling_params import SamplingParams, StructuredOutputsParams
+from tandem import cpu_threads as _cpu_threads
+
+_cpu_threads.apply_to_this_process()  # before anything loads torch: see tandem/cpu_threads.py
+
+from tandem._version import __version__  # noqa: E402
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "__version__"]
-from tandem._version import __version__
 
 
 def __getattr__(name: str):

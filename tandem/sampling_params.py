@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from tandem.validation import INT64_MAX, INT64_MIN, StrictModel, show
+from tandem.validation import INT64_MAX, INT64_MIN, ParamError, StrictModel, show
 
 _GREEDY_EPS = 1e-5
 
@@ -114,6 +114,9 @@ class SamplingParams(StrictModel):
                                                                    "most likely tokens at each prompt position")
     include_stop_str_in_output: bool = Field(False, description="keep the matched stop string in the output text")
     skip_special_tokens: bool = Field(True, description="leave special tokens out of the output text")
+    spaces_between_special_tokens: bool = Field(
+        True, description="put spaces between special tokens in the output text (slow tokenizers only: fast "
+                          "ones, like Hugging Face's, decode special tokens as written)")
     detokenize: bool = Field(True, description="decode the output into text (off: token ids only)")
     logit_bias: Optional[dict[int, float]] = Field(
         None, description="token id -> value in [-100, 100] added to that token's logit before sampling "
@@ -191,7 +194,7 @@ class SamplingParams(StrictModel):
     @model_validator(mode="after")
     def _min_le_max(self) -> "SamplingParams":
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            raise ParamError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens")
         return self
 
     @property

@@ -37,15 +37,29 @@ _BOUNDS = {"gt": "> {}", "ge": ">= {}", "lt": "< {}", "le": "<= {}"}
 _BOUND_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
 
-class InvalidValuesError(ValueError):
-    """One or more user-given values were refused; ``problems`` holds one sentence each.
+class ParamError(ValueError):
+    """A refused value, with the parameter it belongs to: ``param`` names the field
+    (``"logit_bias"``, ``"stop_token_ids[0]"``), or is None when no one field is to blame.
+    A server puts it in its 400 body as it is, instead of looking for a name in the message.
+    A ``ValueError``, so every caller that handles bad input handles it."""
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class InvalidValuesError(ParamError):
+    """One or more user-given values were refused; ``problems`` holds one sentence each,
+    ``params`` the field each names (None for a problem of several fields), and ``param``
+    the first problem's field.
 
     A ``ValueError`` so callers (and the CLI) treat it like every other bad-input error.
     """
 
-    def __init__(self, what: str, problems: list[str]) -> None:
+    def __init__(self, what: str, problems: list[str], params: Optional[list[Optional[str]]] = None) -> None:
         self.problems = problems
-        super().__init__(f"invalid {what}: " + "; ".join(problems))
+        self.params = params if params is not None else [None] * len(problems)
+        super().__init__(f"invalid {what}: " + "; ".join(problems), self.params[0] if self.params else None)
 
 
 def show(value: Any) -> str:
@@ -93,6 +107,15 @@ def _integer_field(model: type[BaseModel], loc: tuple[Any, ...], value: Any) -> 
     if field is None:
         return isinstance(value, int) and not isinstance(value, bool)
     return field.annotation is int or int in get_args(field.annotation)
+
+
+def _param(err: Any) -> Optional[str]:
+    """The field one pydantic error is about: the one a validator's ``ParamError`` names, else
+    the error's location (none for a check over several fields)."""
+    raised = (err.get("ctx") or {}).get("error")
+    if isinstance(raised, ParamError) and raised.param is not None:
+        return raised.param
+    return _location(tuple(err["loc"])) or None
 
 
 def _describe(model: type[BaseModel], err: dict[str, Any]) -> str:
@@ -154,8 +177,10 @@ class StrictModel(BaseModel):
 
     @classmethod
     def _refused(cls, e: ValidationError) -> InvalidValuesError:
-        problems = [_describe(cls, err) for err in e.errors(include_url=False)]
-        return InvalidValuesError(cls.what, list(dict.fromkeys(problems)))
+        described: dict[str, Optional[str]] = {}  # problem -> its field, each problem once
+        for err in e.errors(include_url=False):
+            described.setdefault(_describe(cls, err), _param(err))
+        return InvalidValuesError(cls.what, list(described), list(described.values()))
 
     # -- command-line flags -------------------------------------------------------------------
     @classmethod

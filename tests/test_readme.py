@@ -74,6 +74,10 @@ SKIP = [
      "needs a multi-machine Ray cluster and /models/qwen, which does not exist here"),
     (lambda u: isinstance(u, Snippet) and u.lang == "" and u.text.startswith("tandem/entrypoints/"),
      "the package layout: a diagram, not a command"),
+    (lambda u: isinstance(u, Command) and "TOK" in u.env,
+     "reads /v1/models' tokenizer folder for the client commands (tests/server/test_client_fields.py checks it)"),
+    (lambda u: _cmd(u, "lm_eval") or _cmd(u, "guidellm") or _cmd(u, "aiperf"),
+     "third-party clients, large optional installs: tests/server/test_client_tools.py runs them when installed"),
 ]
 
 

@@ -3,7 +3,8 @@
 ``EngineConfig`` says what the user asked for (a path, ``dtype="auto"``, maybe a
 ``max_model_len``); ``ModelConfig`` is what that resolves to: the HF folder actually
 loaded (a GGUF converted into the cache), the HF config read from it, the concrete dtype
-and device, the context length, the EOS ids, and the ``TANDEM_*`` environment switches.
+and device, the context length, the step limits (the device's defaults where the user gave
+none), the EOS ids, and the ``TANDEM_*`` environment switches.
 It is built by ``tandem.models.model_config.resolve_model_config`` and never re-derived
 below: workers, executors and the scheduler read it instead of loading ``config.json``.
 """
@@ -60,6 +61,8 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     device: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
 
 
 @dataclass(frozen=True)
@@ -73,12 +76,14 @@ class ModelConfig:
     device: str  # "cpu" | "cuda" (never "auto")
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    max_num_seqs: int  # most requests in one step
+    max_num_batched_tokens: int  # token budget of one step
     env: EnvSwitches = field(default_factory=EnvSwitches)
 
     @property
     def info(self) -> ModelInfo:
         return ModelInfo(self.folder, self.tokenizer, self.max_model_len, self.vocab_size, self.eos_token_ids,
-                         self.device)
+                         self.device, self.max_num_seqs, self.max_num_batched_tokens)
 
     @property
     def architecture(self) -> str:

@@ -120,9 +120,11 @@ class _DecodeDiffStream:
     multi-byte character), then slides the window so that it starts at the tokens just read.
     """
 
-    def __init__(self, tokenizer, context: list[int], skip_special_tokens: bool):
+    def __init__(self, tokenizer, context: list[int], skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._spaces = spaces_between_special_tokens
         self._ids = list(context)
         self._prefix = self._decode(self._ids)
         self._read_index = len(self._ids)
@@ -130,7 +132,8 @@ class _DecodeDiffStream:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip,
+                                      spaces_between_special_tokens=self._spaces)
 
     def step(self, token_id: int) -> str | None:
         self._ids.append(token_id)
@@ -160,6 +163,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         *,
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
     ):
@@ -187,12 +191,13 @@ class IncrementalDetokenizer:
                 return backend.decode(ids, skip_special_tokens=skip_special_tokens) if ids else ""
         else:
             def decode(ids: list[int]) -> str:
-                return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if ids else ""
+                return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                        spaces_between_special_tokens=spaces_between_special_tokens) if ids else ""
         context, pending = _prompt_context(decode, prompt_token_ids)
-        if backend is not None:
+        if backend is not None:  # the Rust decoder writes special tokens as they are (as HF's fast tokenizers do)
             self._stream = _FastStream(backend, context, skip_special_tokens)
         else:
-            self._stream = _DecodeDiffStream(tokenizer, context, skip_special_tokens)
+            self._stream = _DecodeDiffStream(tokenizer, context, skip_special_tokens, spaces_between_special_tokens)
 
         # Text of the prompt that the stream has yet to emit: when the prompt ends inside a
         # multi-byte character, the complete prompt text before that character comes out together

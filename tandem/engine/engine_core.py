@@ -26,6 +26,12 @@ runs, then the bitmask is filled and ``sample_tokens`` sent. Otherwise it is sen
 No step is launched while another awaits its sampling call, so the worker always sees
 forward N, sample N, forward N+1, sample N+1. A step without constrained requests is one
 call, exactly as before.
+
+**Interrupts** (Ctrl-C, a signal handler's exception) never leave the engine half-changed:
+the bookkeeping sections run under ``tandem.interrupts.deferred_interrupts``; a step whose
+launch is interrupted is abandoned (its requests fail and free their blocks) before the
+interrupt propagates; outputs produced before an interrupt wait in ``_undelivered`` for
+the next ``step()``.
 """
 from __future__ import annotations
 
@@ -39,8 +45,8 @@ from typing import Any, Iterable, Optional, cast
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.messages import CoreStats
-from tandem.engine.interrupts import deferred_sigint
 from tandem.executor import Executor, create_executor
+from tandem.interrupts import deferred_interrupts
 from tandem.scheduler.kv_cache import KVCacheManager
 from tandem.scheduler.scheduler import Scheduler
 from tandem.structured_output import StructuredOutputManager
@@ -96,8 +102,8 @@ class EngineCore:
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=model_config.max_num_seqs,
+            max_num_batched_tokens=model_config.max_num_batched_tokens,
             max_model_len=model_config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
@@ -112,22 +118,27 @@ class EngineCore:
         self.track_queue_times = False
         self._arrivals: dict[str, float] = {}
         self._queue_times: dict[str, float] = {}
+        # Outputs produced but not returned yet: an interrupt after a step was applied (or
+        # abandoned) defers them to the next ``step()``, it does not lose them.
+        self._undelivered: list[EngineCoreOutput] = []
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         so_params = request.sampling_params.structured_outputs
         if so_params is not None and request.grammar is None:
             request.grammar = self.structured.grammar_for(so_params)
-        self.scheduler.add_request(request)
-        if self.track_queue_times:
-            self._arrivals[request.request_id] = time.monotonic()
+        with deferred_interrupts():
+            self.scheduler.add_request(request)
+            if self.track_queue_times:
+                self._arrivals[request.request_id] = time.monotonic()
 
     def abort_requests(self, req_ids: Iterable[str]) -> None:
         req_ids = list(req_ids)
-        self.scheduler.abort_requests(req_ids)
-        for rid in req_ids:
-            self._arrivals.pop(rid, None)
-            self._queue_times.pop(rid, None)
+        with deferred_interrupts():
+            self.scheduler.abort_requests(req_ids)
+            for rid in req_ids:
+                self._arrivals.pop(rid, None)
+                self._queue_times.pop(rid, None)
 
     def make_stats(self, idle_seconds: float = 0.0) -> CoreStats:
         """A snapshot for /metrics."""
@@ -142,42 +153,74 @@ class EngineCore:
         )
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue) or bool(self._undelivered)
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         launched = False
         if (len(self.batch_queue) < self.depth and self.scheduler.has_unfinished_requests()
                 and not self._awaiting_sampling()):
-            with deferred_sigint():  # a scheduled step is always queued (tandem/engine/interrupts.py)
-                so = self.scheduler.schedule()
-                if not so.is_empty:
-                    if self._arrivals:
-                        self._note_first_scheduled(so)
-                    if self.batch_queue:
-                        self.stats.num_launched_ahead += 1
-                    self.batch_queue.append(self._launch(so))
-                    self.stats.num_launched += 1
-                    launched = True
-        outs = self.scheduler.take_outputs()  # requests ended outside a step (bad grammars)
+            launched = self._launch_next()
+        with deferred_interrupts():
+            self._undelivered += self.scheduler.take_outputs()  # requests ended outside a step (bad grammars)
         if self.batch_queue and (not launched or len(self.batch_queue) >= self.depth):
-            outs += self._complete_oldest()
-            with deferred_sigint():
+            self._complete_oldest()
+            with deferred_interrupts():
                 self._sample_deferred()
-            return outs
-        if not launched and self.scheduler.has_unfinished_requests():
+        elif not launched and self.scheduler.has_unfinished_requests():
             if self.scheduler.waiting_for_grammar:  # not a stall: wait (bounded) for a compilation
                 self.structured.wait_for_any((r.grammar for r in self.scheduler.waiting_for_grammar),  # type: ignore[misc]
                                              GRAMMAR_WAIT_S)
-                return outs
-            raise EngineStallError(
-                f"nothing schedulable and nothing in flight with {len(self.scheduler.requests)} unfinished "
-                f"requests ({self.kv_cache.num_free_blocks}/{self.kv_cache.num_blocks} KV blocks free)"
-            )
+            else:
+                raise EngineStallError(
+                    f"nothing schedulable and nothing in flight with {len(self.scheduler.requests)} unfinished "
+                    f"requests ({self.kv_cache.num_free_blocks}/{self.kv_cache.num_blocks} KV blocks free)"
+                )
+        outs, self._undelivered = self._undelivered, []
         return outs
+
+    def _launch_next(self) -> bool:
+        """Schedule a step and queue it launched; False if nothing was schedulable.
+
+        The launch itself stays interruptible (on the CPU it is the whole forward pass). An
+        interrupt (any ``BaseException``) that stops a scheduled step from being queued
+        propagates only after the step is abandoned: its requests fail, their blocks are
+        freed and the worker is told again to drop what the step told it to drop, so the
+        engine is as if the step had never been scheduled.
+        """
+        so: Optional[SchedulerOutput] = None
+        step: Optional[InFlightStep] = None
+        try:
+            with deferred_interrupts():
+                so = self.scheduler.schedule()
+                if so.is_empty:
+                    so = None
+                    return False
+                if self._arrivals:
+                    self._note_first_scheduled(so)
+            step = self._launch(so)
+            with deferred_interrupts():
+                if self.batch_queue:
+                    self.stats.num_launched_ahead += 1
+                self.batch_queue.append(step)
+                self.stats.num_launched += 1
+                so = None
+            return True
+        except BaseException:
+            if so is not None:
+                with deferred_interrupts():
+                    if step is not None:  # launched, then interrupted: it runs its course
+                        self.batch_queue.append(step)
+                        self.stats.num_launched += 1
+                    else:
+                        self._undelivered += self.scheduler.abandon_step(so, "interrupted while its step was "
+                                                                              "being launched")
+            raise
 
     # -- constrained steps: forward, then sampling with the bitmask -------------------------
     def _launch(self, so: SchedulerOutput) -> InFlightStep:
+        """Hand ``so`` to the executor: one call, or the forward now and the sampling now or
+        once the grammars have the tokens before it (``_sample_deferred``)."""
         if not so.grammar_req_ids:  # one call: its future resolves to the output
             return InFlightStep(so, cast("Future[ModelRunnerOutput]", self.executor.execute_model(so)))
         step = InFlightStep(so, None, self.executor.execute_model(so))
@@ -231,10 +274,12 @@ class EngineCore:
                 out.queue_time = t
         return outs
 
-    def _complete_oldest(self) -> list[EngineCoreOutput]:
+    def _complete_oldest(self) -> None:
+        """Wait for the oldest in-flight step and apply it; its outputs join ``_undelivered``,
+        so an interrupt raised after the step was applied loses none of them."""
         step = self.batch_queue[0]
         if step.output is None:  # nothing older is in flight: its grammars are current
-            with deferred_sigint():
+            with deferred_interrupts():
                 self._sample(step)
         assert step.output is not None
         try:
@@ -242,15 +287,16 @@ class EngineCore:
                 step.forward.result()  # the forward's own error, if it failed
             result = step.output.result()
         except Exception as e:  # the step failed: fail its requests, keep the engine usable
-            with deferred_sigint():
+            with deferred_interrupts():
                 self.batch_queue.popleft()
-                return self._fail_inflight(step.so, e)
-        # (A KeyboardInterrupt while waiting leaves the step queued: a later call completes it.)
-        with deferred_sigint():
+                self._undelivered += self._fail_inflight(step.so, e)
+            return
+        # (An interrupt while waiting leaves the step queued: a later call completes it.)
+        with deferred_interrupts():
             self.batch_queue.popleft()
             self.stats.num_completed += 1
             outs = self.scheduler.update_from_output(step.so, result)
-            return self._attach_queue_times(outs) if self._queue_times else outs
+            self._undelivered += self._attach_queue_times(outs) if self._queue_times else outs
 
     def _fail_inflight(self, so: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
         """Later in-flight steps consumed this step's (missing) tokens: fail them too."""
@@ -271,9 +317,9 @@ class EngineCore:
 
     def drain(self) -> list[EngineCoreOutput]:
         """Complete every in-flight step (used at shutdown and by tests)."""
-        outs: list[EngineCoreOutput] = []
         while self.batch_queue:
-            outs += self._complete_oldest()
+            self._complete_oldest()
+        outs, self._undelivered = self._undelivered, []
         return outs
 
     def shutdown(self) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence
 from tandem.config import EngineConfig, ModelInfo
 from tandem.engine.messages import EngineCoreRequest
 from tandem.sampling_params import SamplingParams
+from tandem.validation import ParamError
 
 # The child seed of a seeded n > 1 request: distinct per child, fixed per (seed, index).
 _CHILD_SEED_STRIDE = 1_000_003
@@ -26,6 +27,42 @@ class ProcessedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     core_requests: list[EngineCoreRequest]
+
+
+class ContextLengthError(ParamError):
+    """The prompt leaves no room for an output token, or the prompt plus an explicitly
+    requested output (``requested``) exceed the context (``limit``). The numbers travel
+    with it, so a server can word the refusal its own way (OpenAI's context_length_exceeded)."""
+
+    def __init__(self, limit: int, num_prompt_tokens: int, requested: Optional[int] = None) -> None:
+        self.limit = limit
+        self.num_prompt_tokens = num_prompt_tokens
+        self.requested = requested
+        if requested is None:
+            super().__init__(f"the prompt has {num_prompt_tokens} tokens, but max_model_len is {limit}: it must "
+                             "leave room for at least one generated token", "prompt")
+        else:
+            super().__init__(f"the prompt ({num_prompt_tokens} tokens) and max_tokens ({requested}) exceed "
+                             f"max_model_len ({limit})", "max_tokens")
+
+
+def output_budget(limit: int, num_prompt_tokens: int, requested: Optional[int] = None,
+                  default: Optional[int] = None) -> int:
+    """How many tokens a request may generate in a context of ``limit`` tokens: the one place
+    ``max_tokens`` is checked against the context.
+
+    A prompt that leaves no room is refused. An explicit ``requested`` budget must fit
+    (OpenAI refuses one that does not); a ``default`` is cut to the room left (the offline
+    engine's ``max_tokens``, like vLLM's); with neither, the budget is all the room left.
+    Raises ``ContextLengthError``."""
+    room = limit - num_prompt_tokens
+    if room < 1:
+        raise ContextLengthError(limit, num_prompt_tokens)
+    if requested is not None:
+        if requested > room:
+            raise ContextLengthError(limit, num_prompt_tokens, requested)
+        return requested
+    return room if default is None else min(default, room)
 
 
 def child_request_id(request_id: str, n: int, index: int) -> str:
@@ -47,22 +84,29 @@ class InputProcessor:
         return self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            chat_template: Optional[str] = None, **template_kwargs: Any) -> list[int]:
-        """Token ids of a conversation, through the tokenizer's template (or ``chat_template``);
-        ``template_kwargs`` reach the template (``tools``, ``continue_final_message``, ...)."""
+                            chat_template: Optional[str] = None, *, continue_final_message: bool = False,
+                            add_special_tokens: bool = False, documents: Optional[list[dict[str, str]]] = None,
+                            tools: Optional[list[dict[str, Any]]] = None,
+                            template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+        """Token ids of a conversation, through the tokenizer's template (or ``chat_template``).
+
+        ``continue_final_message``: the prompt ends inside the last message (no end-of-turn,
+        no generation prompt), so the model continues it. ``add_special_tokens``: tokens such
+        as BOS are added on top of what the template writes (templates usually write them).
+        ``tools`` (OpenAI's function definitions), ``documents`` and ``template_kwargs`` become
+        variables of the template, which may use or ignore them."""
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; give one (--chat-template) "
                              "or send plain prompts")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False, chat_template=chat_template, **template_kwargs)
-        return self.tokenize(text, add_special_tokens=False)
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tools=tools, documents=documents, tokenize=False, chat_template=chat_template, **(template_kwargs or {}))
+        return self.tokenize(text, add_special_tokens=add_special_tokens)
 
     def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> ProcessedRequest:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(token_ids, params)
-        room = self.max_model_len - len(token_ids)
-        max_tokens = min(params.max_tokens or room, room)
+        max_tokens = self._check_prompt(token_ids, params)
         if self.num_kv_blocks is not None:
             bs = self.config.block_size
             need = (len(token_ids) + max_tokens + bs - 1) // bs
@@ -79,23 +123,23 @@ class InputProcessor:
                                                self.eos_token_ids, max_tokens, seed))
         return ProcessedRequest(request_id, text, token_ids, params, core_reqs)
 
-    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> int:
+        """Refuse what cannot run (``ParamError`` naming the parameter); returns the output budget."""
         if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise ParamError("the prompt is empty: give at least one token", "prompt")
         vocab = self.model.vocab_size
         if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
-                "it must leave room for at least one generated token"
-            )
+            raise ParamError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        max_tokens = output_budget(self.max_model_len, len(token_ids), default=params.max_tokens)
         if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
+            raise ParamError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}",
+                             "logit_bias")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
             if v is not None and v > self.config.max_logprobs:
-                raise ValueError(f"{name}={v} exceeds max_logprobs={self.config.max_logprobs}")
-        if not self.config.enable_chunked_prefill and len(token_ids) > self.config.max_num_batched_tokens:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
-                             f"({self.config.max_num_batched_tokens}) with chunked prefill off")
+                raise ParamError(f"{name}={v} exceeds max_logprobs={self.config.max_logprobs}", name)
+        budget = self.model.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and len(token_ids) > budget:
+            raise ParamError(f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
+                             f"({budget}) with chunked prefill off", "prompt")
+        return max_tokens

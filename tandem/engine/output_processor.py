@@ -38,7 +38,15 @@ class _Child:
     logprobs: Optional[list[PositionLogprobs]] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
+    first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
+
+    def finished_stats(self, reason: str, state: "RequestState", now: float) -> FinishedRequestStats:
+        n = len(self.token_ids)
+        tpot = 0.0
+        if n > 1 and self.first_token_time is not None and self.last_token_time is not None:
+            tpot = (self.last_token_time - self.first_token_time) / (n - 1)
+        return FinishedRequestStats(reason, now - state.arrival_time, len(state.prompt_token_ids), n, tpot)
 
 
 @dataclass
@@ -98,6 +106,7 @@ class OutputProcessor:
             if params.detokenize:
                 detok = IncrementalDetokenizer(
                     self.tokenizer, req.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
                     stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
                 )
             children.append(_Child(i, cr.request_id, params, detok,
@@ -121,8 +130,7 @@ class OutputProcessor:
         now = time.monotonic()
         for c in state.children:
             if c.finish_reason is None:
-                self._aborted.append(FinishedRequestStats("abort", now - state.arrival_time,
-                                                          len(state.prompt_token_ids), len(c.token_ids)))
+                self._aborted.append(c.finished_stats("abort", state, now))
         self._forget(state)
         return [c.core_id for c in state.children]
 
@@ -224,14 +232,15 @@ class OutputProcessor:
             stats.num_prompt_tokens += len(state.prompt_token_ids)
         if child.last_token_time is not None:
             stats.inter_token_latencies.append(now - child.last_token_time)
+        if child.first_token_time is None:
+            child.first_token_time = now
         child.last_token_time = now
 
     @staticmethod
     def _finish(state: RequestState, child: _Child, reason: str, stop_reason: Optional[int | str], now: float,
                 stats: IterationStats) -> None:
         child.finish_reason, child.stop_reason = reason, stop_reason
-        stats.finished.append(FinishedRequestStats(reason, now - state.arrival_time, len(state.prompt_token_ids),
-                                                   len(child.token_ids)))
+        stats.finished.append(child.finished_stats(reason, state, now))
 
     def _convert_logprobs(self, lp: SampledLogprobs, num: int) -> PositionLogprobs:
         """The chosen token plus this request's own top-``num`` (the batch computed the max)."""

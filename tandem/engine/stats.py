@@ -18,6 +18,9 @@ class FinishedRequestStats:
     e2e_latency: float
     num_prompt_tokens: int
     num_generation_tokens: int
+    # Seconds from the first to the last token over the tokens after the first (vLLM's
+    # mean_time_per_output_token); 0 with fewer than two tokens.
+    time_per_output_token: float = 0.0
 
 
 @dataclass

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.llm_engine import LLMEngine, RequestError
 from tandem.engine.prepare import prepare_model
+from tandem.interrupts import gated_signals
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.types.engine_output import INVALID_REQUEST
@@ -128,27 +129,28 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion. A bad prompt or parameter rejects the whole call
-        (``ValueError``/``TypeError`` naming the prompt) and leaves nothing running."""
+        (``ValueError``/``TypeError`` naming the prompt) and leaves nothing running. An
+        interrupt (Ctrl-C, or any handler's exception) stops the call and leaves nothing
+        running either: the same ``LLM`` serves the next call as if this one never was."""
         prompt_list = normalize_prompts(prompts)
         params = normalize_sampling_params(sampling_params, len(prompt_list))
-        ids: list[str] = []
-        try:
-            for i, (p, sp) in enumerate(zip(prompt_list, params)):
-                rid = f"gen-{next(self._ids)}"
-                try:
-                    self.engine.check_structured_outputs(sp)
-                    self.engine.add_request(rid, p, sp)
-                except ValueError as e:
-                    if len(prompt_list) == 1:
-                        raise
-                    raise ValueError(f"prompt {i}: {e}") from e
-                ids.append(rid)
-        except Exception:
-            for rid in ids:  # a bad prompt rejects the whole call, leaving nothing behind
-                self.engine.abort_request(rid)
-            self._run_until_idle()
-            raise
-        return self._run(ids, use_tqdm)
+        with gated_signals():  # interrupts wait out the engine's bookkeeping (tandem/interrupts.py)
+            ids: list[str] = []
+            try:
+                for i, (p, sp) in enumerate(zip(prompt_list, params)):
+                    rid = f"gen-{next(self._ids)}"
+                    ids.append(rid)  # before adding: an interrupt inside the add still aborts it
+                    try:
+                        self.engine.check_structured_outputs(sp)
+                        self.engine.add_request(rid, p, sp)
+                    except ValueError as e:
+                        if len(prompt_list) == 1:
+                            raise
+                        raise ValueError(f"prompt {i}: {e}") from e
+            except BaseException:
+                self._abort(ids)  # a bad prompt rejects the whole call, leaving nothing behind
+                raise
+            return self._run(ids, use_tqdm)
 
     def chat(
         self,
@@ -171,9 +173,7 @@ class LLM:
                         final[out.request_id] = out
                         bar.update(1)
         except BaseException:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            self._run_until_idle()
+            self._abort(ids)
             raise
         finally:
             bar.close()
@@ -187,6 +187,12 @@ class LLM:
         if failed:
             raise RequestError(f"{len(failed)} request(s) failed in the engine: {failed[0].error}", results)
         return results
+
+    def _abort(self, ids: list[str]) -> None:
+        """Stop the call's requests and finish its in-flight steps: nothing is left running."""
+        for rid in ids:
+            self.engine.abort_request(rid)
+        self._run_until_idle()
 
     def _run_until_idle(self) -> None:
         """Let in-flight steps of finished requests complete, so the next call starts clean."""

@@ -3,7 +3,10 @@
 ``execute_model`` never blocks on the step's results: it returns a future, so the engine
 can schedule and launch step N+1 before reading step N. Contract for every executor:
 every call gets exactly one reply, in call order; a worker error is raised from that
-call's future (never swallowed, never turned into a hang).
+call's future (never swallowed, never turned into a hang). An interrupt (a
+``BaseException`` that is not an ``Exception``: Ctrl-C, a signal handler's exception) is
+nobody's step error: it propagates from ``execute_model`` itself, and the engine abandons
+the step (``EngineCore._launch_next``).
 
 A step with constrained requests (``SchedulerOutput.grammar_req_ids``) takes two calls:
 ``execute_model`` runs the forward pass only, its future resolving to None, and
@@ -19,6 +22,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, MutableMapping, Optional
 
 from tandem.config import EngineConfig, ModelConfig
+from tandem.interrupts import deferred_interrupts
 from tandem.types.errors import ErrorPayload, ExecutorError, WorkerDiedError, WorkerError, WorkerTimeoutError
 from tandem.types.grammar import GrammarOutput
 from tandem.types.runner_output import ModelRunnerOutput
@@ -138,8 +142,12 @@ class RemoteExecutor(Executor):
 
     # -- calls -------------------------------------------------------------------------------
     def _call(self, method: str, args: tuple, kwargs: dict) -> RemoteFuture:
-        """Send one call to every rank; raises the failure at once if the executor is broken."""
-        with self._lock:
+        """Send one call to every rank; raises the failure at once if the executor is broken.
+
+        An interrupt is held while the call is numbered and sent: it is raised before the
+        call or after every rank has it, never between ranks or between numbering and
+        sending (which would leave the workers out of step for good)."""
+        with deferred_interrupts(), self._lock:
             self._raise_if_unusable()
             seq = self._next_seq
             self._next_seq += 1

@@ -223,11 +223,11 @@ class MultiprocExecutor(RemoteExecutor):
         try:
             for w in self._workers:
                 w.channel.send_encoded(payload)
-        except BaseException:
-            # Interrupted (Ctrl-C) between ranks: some have call #seq, some never will, so
-            # they are out of step for good. Recorded, not logged: the user interrupted us.
-            self._failure = ExecutorError(f"call #{seq} ({method}) was interrupted while being sent; "
-                                          "the workers are out of step")
+        except BaseException as e:
+            # Some ranks may have call #seq and the others never will: they are out of step
+            # for good. (An interrupt cannot cause this: ``_call`` holds it until all are sent.)
+            self._failure = ExecutorError(f"call #{seq} ({method}) failed while being sent "
+                                          f"({type(e).__name__}: {e}); the workers are out of step")
             raise
         return _RpcFuture(self, seq, method)
 

@@ -64,10 +64,13 @@ class UniProcExecutor(Executor):
     def _launch(call: Any, arg: Any, forward_only: bool) -> Future:
         try:
             launched = call(arg)
-        except BaseException as e:  # a launch error is the step's error, raised from its future
+        except Exception as e:  # a launch error is the step's error, raised from its future
             failed: Future = Future()
             failed.set_exception(e)
             return failed
+        # An interrupt (KeyboardInterrupt, SystemExit) is nobody's step error: kept in the
+        # future, every later read of the step would raise it again and the engine could
+        # never run another step. It propagates; the engine abandons the step.
         if forward_only:  # the forward is launched; the output comes from sample_tokens
             done: Future = Future()
             done.set_result(None)
@@ -82,4 +85,5 @@ class UniProcExecutor(Executor):
         """Nothing to check: the worker lives in this process, so if we run, it runs."""
 
     def shutdown(self) -> None:
-        """Nothing to stop: the worker is released with this executor."""
+        """Nothing to stop, but the worker's device memory is given back now."""
+        self.worker.shutdown()

@@ -1,7 +1,8 @@
 """tandem's process boundary: typed messages over private, authenticated local channels.
 
-Every process tandem starts (multiproc workers today, the engine-core process of a server
-later) talks to its parent through this package and nothing else. Three promises:
+Every process tandem starts (multiproc workers, the engine-core process, the API-server
+processes of ``tandem serve --api-server-count N``) talks to the others through this
+package and nothing else. Three promises:
 
 * **nothing is unpickled**: messages are msgpack, decoded into declared types only
   (``codec``); a forged or corrupt message can fail to decode, never run code;
@@ -13,7 +14,8 @@ later) talks to its parent through this package and nothing else. Three promises
   reaches EOF (``child``).
 
 API (imports nothing of tandem but this package and ``tandem.config``; ``zmq`` and ``msgspec`` are the only
-third-party dependencies, torch/transformers/pydantic only when such objects are sent):
+third-party dependencies; torch only to send or receive a tensor, transformers only for a
+``WireModelConfig``, pydantic only when such models are sent):
 
 * ``encode(obj) -> bytes`` / ``decode(data, T) -> T``: the codec (dataclasses, msgspec
   structs, pydantic models, tensors as raw buffers; see ``codec``);
@@ -21,9 +23,11 @@ third-party dependencies, torch/transformers/pydantic only when such objects are
 * ``new_secret() -> bytes``; ``PrivateDir.create()`` -> a private directory,
   ``.address(name)`` -> ``"ipc://<dir>/<name>"``, ``.remove()``; ``PrivateDir(path)``
   re-opens one whose path a child got on argv.
-* ``Channel(ctx, secret, local, remote)``: one end of a two-way pipe; ``send(msg)``,
-  ``recv(T, timeout_s=None)``, ``try_recv(T)``, ``.socket`` (for a ``zmq.Poller``),
-  ``rejected`` (forged messages dropped), ``close(linger_s=0)``.
+* ``Channel(ctx, secret, local, remote)``: one end of a two-way pipe; ``send(msg, peer=0)``,
+  ``recv(T, timeout_s=None)``, ``try_recv(T)``, ``.socket`` (for a ``zmq.Poller`` or an
+  asyncio twin: ``authentic(frames)`` checks what was read), ``connect(address)`` (another
+  peer: the engine core serves several front ends on one channel), ``rejected`` (forged
+  messages dropped), ``close(linger_s=0)``.
 * ``start_child(module, args, secret, stdout=2) -> Popen`` (parent side);
   ``read_secret()`` and ``exit_with_parent(cleanup)`` (child side).
 

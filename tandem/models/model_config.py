@@ -60,10 +60,12 @@ def resolve_model_config(config: EngineConfig, env: EnvSwitches | None = None) -
     if config.max_model_len is not None and config.max_model_len > model_len:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {model_len}")
     max_model_len = config.max_model_len or model_len
-    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
-        logger.warning("chunked prefill off: prompts longer than %d tokens will be rejected",
-                       config.max_num_batched_tokens)
     device = resolve_device(config.device)
+    limits = config.step_limits(device)
+    logger.info("step limits on %s: max_num_seqs %d, max_num_batched_tokens %d", device, *limits)
+    if not config.enable_chunked_prefill and limits.max_num_batched_tokens < max_model_len:
+        logger.warning("chunked prefill off: prompts longer than %d tokens will be rejected",
+                       limits.max_num_batched_tokens)
     mc = ModelConfig(
         folder=folder,
         tokenizer=tokenizer_folder,
@@ -72,6 +74,8 @@ def resolve_model_config(config: EngineConfig, env: EnvSwitches | None = None) -
         device=device,
         max_model_len=max_model_len,
         eos_token_ids=eos_token_ids(folder, load_tokenizer(tokenizer_folder)),
+        max_num_seqs=limits.max_num_seqs,
+        max_num_batched_tokens=limits.max_num_batched_tokens,
         env=env,
     )
     mc.check_tensor_parallel(config.tensor_parallel_size)

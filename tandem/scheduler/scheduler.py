@@ -402,6 +402,17 @@ class Scheduler:
         self._release_pending()
         return outs
 
+    def abandon_step(self, sched: SchedulerOutput, error: str) -> list[EngineCoreOutput]:
+        """A step whose launch was interrupted: the worker may have applied any part of it.
+
+        Its requests fail (as in ``fail_step``), so the worker drops whatever state it made
+        for them, and the drop notices the step carried are sent again with the next step
+        (dropping an unknown request is a no-op for the worker, and the next step's drops
+        come before its additions)."""
+        self._finished_ids_to_send += sched.finished_req_ids
+        self._preempted_ids_to_send += sched.preempted_req_ids
+        return self.fail_step(sched, error)
+
     def _release_pending(self) -> None:
         still = []
         for req in self._pending_free:

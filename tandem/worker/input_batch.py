@@ -122,3 +122,12 @@ class InputBatch:
         if state is not None:
             self.logit_bias.pop(state.row, None)
             self.free_rows.append(state.row)
+
+    def discard_unapplied(self) -> None:
+        """After a step stopped part-way: forget its table writes not uploaded yet (they
+        belong to requests the engine is about to drop, and a stale write could land on a
+        row reused by the next request) and take back any row taken but not registered."""
+        self.pending_tokens.clear()
+        self.pending_blocks.clear()
+        owned = {state.row for state in self.requests.values()}
+        self.free_rows = [r for r in range(self.max_rows - 1, -1, -1) if r not in owned]

@@ -370,6 +370,16 @@ class ModelRunner:
         """Launch one step. A step with constrained requests (``so.grammar_req_ids``) runs
         the forward pass and the LM head only and returns None: ``sample_tokens`` samples it."""
         self._pending = None  # a forward whose sampling never came (its step failed) is dropped
+        try:
+            return self._execute(so)
+        except BaseException:
+            # Stopped part-way (an error, or an interrupt in the host code): the engine fails
+            # every request of the step and tells us again what to drop, so only what no
+            # request id can reach must be put right here.
+            self.batch.discard_unapplied()
+            raise
+
+    def _execute(self, so: SchedulerOutput) -> Optional[AsyncModelOutput]:
         plan = self._update_states(so)
         if not plan.num_seqs:  # nothing scheduled (e.g. a call that only primes the pipeline)
             empty = torch.empty(0, dtype=torch.int64, device=self.device)

@@ -64,8 +64,8 @@ class Worker:
         if backend == "triton":
             use_fused_kernels(module)
         self.runner = ModelRunner(self.model, model_config.vocab_size, config.block_size, model_config.max_model_len,
-                                  config.max_num_seqs, config.max_num_batched_tokens, self.device, self.dtype,
-                                  attention_backend=backend, cuda_graphs=graphs)
+                                  model_config.max_num_seqs, model_config.max_num_batched_tokens, self.device,
+                                  self.dtype, attention_backend=backend, cuda_graphs=graphs)
 
     def block_bytes(self) -> int:
         return self.model_config.kv_block_bytes(self.config.block_size, self.config.tensor_parallel_size)
@@ -80,12 +80,12 @@ class Worker:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        n = self.config.max_num_batched_tokens
+        n = self.model_config.max_num_batched_tokens
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.arange(n, dtype=torch.int64, device=self.device) % 64
         hidden = self.model(ids, pos)  # no forward context: plain causal pass, nothing cached
         # The sampler's costliest path (float32 logits, top-k/top-p sort) at the largest batch.
-        self.runner.profile_sampler(self.model.compute_logits(hidden[: self.config.max_num_seqs]))
+        self.runner.profile_sampler(self.model.compute_logits(hidden[: self.model_config.max_num_seqs]))
         torch.cuda.synchronize()
         activations = torch.cuda.max_memory_allocated() - before
         del hidden
@@ -124,9 +124,19 @@ class Worker:
         return os.getpid()
 
     def shutdown(self) -> None:
+        """Leave the tensor-parallel group and give the device memory back: the weights, the
+        KV cache and the graphs go with the runner, and the caching allocator's reserve is
+        emptied, so a process that outlives its ``LLM`` (a benchmark, a notebook) can start
+        another engine or let another process use the GPU."""
         from tandem.distributed import destroy_tensor_parallel
 
         destroy_tensor_parallel()
+        if self.device.type == "cuda" and hasattr(self, "runner"):
+            import gc
+
+            del self.runner, self.model
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 def resolve_worker_class(path: str) -> type:

@@ -204,6 +204,7 @@ def test_engine_refuses_unsplittable_model_before_starting_workers(tiny_factory,
 
     with pytest.raises(ValueError, match="num_attention_heads 9 is not divisible by it"):
         ModelConfig(folder="x", tokenizer="x", dtype="float32", device="cpu", max_model_len=8, eos_token_ids=(),
+                    max_num_seqs=64, max_num_batched_tokens=2048,
                     hf_config=SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, intermediate_size=64)
                     ).check_tensor_parallel(2)
     folder = tiny_factory("llama", num_attention_heads=4, num_key_value_heads=2)

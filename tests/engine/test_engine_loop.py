@@ -7,6 +7,7 @@ The three bugs reviewers found in the vLLM overlap PR, made impossible here:
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import zlib
@@ -31,7 +32,8 @@ EOS = 1
 FAKE_MODEL = ModelConfig(folder="unused", tokenizer="unused",
                          hf_config=SimpleNamespace(vocab_size=100, num_hidden_layers=1, num_attention_heads=1,
                                                    hidden_size=8),
-                         dtype="float32", device="cpu", max_model_len=256, eos_token_ids=(EOS,))
+                         dtype="float32", device="cpu", max_model_len=256, eos_token_ids=(EOS,),
+                         max_num_seqs=4, max_num_batched_tokens=16)
 
 
 def fake_token(req_id: str, position: int) -> int:
@@ -91,7 +93,8 @@ class FakeExecutor(Executor):
 def make_core(async_scheduling: bool, executor: FakeExecutor | None = None, **kw) -> EngineCore:
     cfg = EngineConfig(async_scheduling=async_scheduling, block_size=4, max_num_seqs=4,
                        max_num_batched_tokens=16, **kw)
-    return EngineCore(cfg, FAKE_MODEL, executor=executor or FakeExecutor())
+    model = dataclasses.replace(FAKE_MODEL, **cfg.step_limits(FAKE_MODEL.device)._asdict())
+    return EngineCore(cfg, model, executor=executor or FakeExecutor())
 
 
 def req(rid: str, n_prompt: int = 5, max_tokens: int = 8, **sp) -> Request:

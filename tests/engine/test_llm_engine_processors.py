@@ -8,7 +8,7 @@ import pytest
 
 from tiny_models import make_word_tokenizer
 from tandem.config import EngineConfig, ModelConfig
-from tandem.engine.input_processor import InputProcessor
+from tandem.engine.input_processor import ContextLengthError, InputProcessor, output_budget
 from tandem.engine.output_processor import OutputProcessor
 from tandem.sampling_params import SamplingParams
 from tandem.types.engine_output import EngineCoreOutput
@@ -19,7 +19,8 @@ VOCAB = 128
 MODEL = ModelConfig(folder="unused", tokenizer="unused",
                     hf_config=SimpleNamespace(vocab_size=VOCAB, num_hidden_layers=1, num_attention_heads=1,
                                               hidden_size=8),
-                    dtype="float32", device="cpu", max_model_len=64, eos_token_ids=(1,))
+                    dtype="float32", device="cpu", max_model_len=64, eos_token_ids=(1,), max_num_seqs=64,
+                    max_num_batched_tokens=2048)
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +49,35 @@ def test_input_processor_validates_and_expands_children(tok):
     assert ip.process("s", [20], SamplingParams(seed=7)).core_requests[0].sample_seed == 7  # n=1: the seed itself
     roomy, _ = processors(tok)
     assert roomy.process("m", [20] * 10, SamplingParams(max_tokens=None)).core_requests[0].max_tokens == 54
-    for prompt, params, words in [
-        ([], SamplingParams(), "empty"),
-        ([20, VOCAB], SamplingParams(), "token ids must be"),
-        ([20, True], SamplingParams(), "token ids must be"),
-        ([20] * 64, SamplingParams(), "max_model_len"),
-        ([20], SamplingParams(logprobs=6), "max_logprobs"),
-        ([20] * 4, SamplingParams(max_tokens=30), "KV blocks"),  # 34 tokens: 9 blocks of 4 > 6
+    for prompt, params, words, param in [
+        ([], SamplingParams(), "empty", "prompt"),
+        ([20, VOCAB], SamplingParams(), "token ids must be", "prompt"),
+        ([20, True], SamplingParams(), "token ids must be", "prompt"),
+        ([20] * 64, SamplingParams(), "max_model_len", "prompt"),
+        ([20], SamplingParams(logprobs=6), "max_logprobs", "logprobs"),
+        ([20], SamplingParams(prompt_logprobs=6), "max_logprobs", "prompt_logprobs"),
+        ([20], SamplingParams(logit_bias={VOCAB: 1.0}), "logit_bias token ids", "logit_bias"),
+        ([20] * 4, SamplingParams(max_tokens=30), "KV blocks", None),  # 34 tokens: 9 blocks of 4 > 6
     ]:
-        with pytest.raises(ValueError, match=words):
+        with pytest.raises(ValueError, match=words) as ei:
             ip.process("x", prompt, params)
+        assert getattr(ei.value, "param", None) == param, (words, ei.value)
+
+
+def test_output_budget_is_the_one_max_tokens_check():
+    """A prompt must leave room; an explicit budget must fit (the server's OpenAI rule); a
+    default is cut to the room (the offline engine's max_tokens); neither: all the room."""
+    assert output_budget(64, 10) == 54
+    assert output_budget(64, 10, default=16) == 16 and output_budget(64, 60, default=16) == 4
+    assert output_budget(64, 10, requested=54) == 54
+    with pytest.raises(ContextLengthError, match="and max_tokens \\(55\\) exceed max_model_len \\(64\\)") as ei:
+        output_budget(64, 10, requested=55)
+    e = ei.value
+    assert (e.limit, e.num_prompt_tokens, e.requested, e.param) == (64, 10, 55, "max_tokens")
+    for n in (64, 65):
+        with pytest.raises(ContextLengthError, match=f"the prompt has {n} tokens, but max_model_len is 64") as ei:
+            output_budget(64, n, default=16)
+        assert ei.value.requested is None and ei.value.param == "prompt"
 
 
 def test_n_children_share_the_prompt_then_release_siblings(tok):

@@ -45,6 +45,7 @@ class Case:
     argv: Optional[list[str]] = None  # CLI cases
     code: Optional[str] = None  # API cases (run exactly as shown)
     setup: set[str] = field(default_factory=set)  # "no_cuda", "default_model", "process", "sigint", "serve"
+    http: Optional[tuple[str, dict[str, Any], Optional[str]]] = None  # HTTP cases: (path, body, param)
 
 
 def cli_case(what: str, must: str, *argv: str, setup: tuple[str, ...] = ()) -> Case:
@@ -55,6 +56,15 @@ def api_case(code: str, must: str, setup: tuple[str, ...] = ()) -> Case:
     return Case(code, must, code=code, setup=set(setup))
 
 
+def http_case(what: str, must: str, path: str, body: dict[str, Any], param: Optional[str]) -> Case:
+    """A request to the real server (``tandem serve`` on the tiny model with a test chat
+    template): a 400 whose OpenAI error body names ``param``."""
+    return Case(what, must, http=(path, body, param))
+
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "t5"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 LONG = " ".join(["t5"] * 10)
 CASES = [
     # -- prompts ---------------------------------------------------------------------------------
@@ -97,6 +107,8 @@ CASES = [
              "--gpu-memory-utilization", "1.5"),
     cli_case("--max-num-seqs 0", "max_num_seqs must be an integer >= 1", *TINY, "--max-num-seqs", "0"),
     cli_case("--max-num-seqs not a number", "invalid int value", *TINY, "--max-num-seqs", "many"),
+    cli_case("--max-num-batched-tokens 0", "max_num_batched_tokens must be an integer >= 1", *TINY,
+             "--max-num-batched-tokens", "0"),
     cli_case("--dtype not a dtype", "invalid choice", *TINY, "--dtype", "int8"),
     cli_case("--max-model-len beyond the model's context", "exceeds the model's context length", *TINY,
              "--max-model-len", "100000"),
@@ -192,6 +204,10 @@ CASES = [
              "16", "--prompt", "What is the capital of France?", setup=("default_model",)),
     cli_case("--tensor-parallel-size 2, default model (9 heads)", "num_attention_heads 9 is not divisible",
              "--tensor-parallel-size", "2", "--prompt", "Hello", setup=("default_model",)),
+    cli_case("--no-enable-chunked-prefill with --max-model-len above the CPU's default budget, default model",
+             "max_num_batched_tokens (2048, the cpu default) must be >= max_model_len (4096)",
+             "--no-enable-chunked-prefill", "--max-model-len", "4096", "--prompt", "Hello",
+             setup=("default_model", "no_cuda")),
     cli_case("--structured-outputs schema with an unknown type, default model", "the JSON schema does not compile",
              "--chat", "--prompt", "Hello", "--structured-outputs",
              '{{"json": {{"type": "object", "properties": {{"a": {{"type": "strin"}}}}}}}}', setup=("default_model",)),
@@ -254,6 +270,75 @@ CASES = [
     api_case("LLM(tiny, max_model_len=100000)", "exceeds the model's context length"),
     api_case("LLM(tiny, tensor_parallel_size=3)", "does not fit this model"),
     api_case('EngineConfig(max_num_seqs="8")', "max_num_seqs must be an integer, got str"),
+    # -- the server (`tandem serve`): fields OpenAI or vLLM define that would change the output --
+    http_case("a misspelt field", "Unrecognized request argument supplied: stor", CHAT,
+              {"messages": MSG, "stor": True}, "stor"),
+    http_case("use_beam_search: true", "beam search is not implemented", C,
+              {"prompt": "t5", "use_beam_search": True}, "use_beam_search"),
+    http_case("length_penalty other than 1", "beam search is not implemented", C,
+              {"prompt": "t5", "length_penalty": 0.5}, "length_penalty"),
+    http_case("priority other than 0", "first come, first served", CHAT, {"messages": MSG, "priority": 1},
+              "priority"),
+    http_case("cache_salt", "cannot be salted", C, {"prompt": "t5", "cache_salt": "s3cret"}, "cache_salt"),
+    http_case("truncate_prompt_tokens", "never truncated", C, {"prompt": "t5 t6", "truncate_prompt_tokens": 1},
+              "truncate_prompt_tokens"),
+    http_case("allowed_token_ids", "logit_bias -100 bans tokens", CHAT,
+              {"messages": MSG, "allowed_token_ids": [5]}, "allowed_token_ids"),
+    http_case("bad_words", "not implemented", C, {"prompt": "t5", "bad_words": ["t6"]}, "bad_words"),
+    http_case("thinking_token_budget", "not implemented", CHAT, {"messages": MSG, "thinking_token_budget": 64},
+              "thinking_token_budget"),
+    http_case("return_token_ids: true", "not implemented", C, {"prompt": "t5", "return_token_ids": True},
+              "return_token_ids"),
+    http_case("a per-request chat_template", "--chat-template", CHAT,
+              {"messages": MSG, "chat_template": "{{ messages }}"}, "chat_template"),
+    http_case('modalities: ["audio"]', "text only", CHAT, {"messages": MSG, "modalities": ["text", "audio"]},
+              "modalities"),
+    http_case("verbosity", "not implemented", CHAT, {"messages": MSG, "verbosity": "low"}, "verbosity"),
+    http_case("continue_final_message with add_generation_prompt: true", "not both", CHAT,
+              {"messages": MSG + [{"role": "assistant", "content": "t6"}], "continue_final_message": True,
+               "add_generation_prompt": True}, "continue_final_message"),
+    http_case("chat_template_kwargs that set the template call's own arguments", "cannot set 'tokenize'", CHAT,
+              {"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    http_case('reasoning_effort: "extreme"', "Input should be 'none', 'minimal'", CHAT,
+              {"messages": MSG, "reasoning_effort": "extreme"}, "reasoning_effort"),
+    http_case("an ignored field of the wrong type (metadata values are strings)", "valid string", CHAT,
+              {"messages": MSG, "metadata": {"run": 1}}, "metadata.run"),
+    http_case("stream_interval 0", "greater than or equal to 1", C, {"prompt": "t5", "stream_interval": 0},
+              "stream_interval"),
+    # -- the server: tools, output constraints, log-likelihoods (issue 18) --
+    http_case("tool_choice without tools", "tool_choice needs tools", CHAT,
+              {"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+    http_case("tool_choice naming a function that is not among the tools", "which is not among the tools", CHAT,
+              {"messages": MSG, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+              "tool_choice"),
+    http_case("a tool whose parameters are not a valid JSON schema", "invalid JSON schema", CHAT,
+              {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+               "tool_choice": "required"}, "tools[0].function.parameters"),
+    http_case('tool_choice "auto" on a server without --enable-auto-tool-choice', "--enable-auto-tool-choice", CHAT,
+              {"messages": MSG, "tools": TOOLS}, "tool_choice"),
+    http_case('tool_choice "required" with response_format', "constrains the output already", CHAT,
+              {"messages": MSG, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+              "response_format"),
+    http_case("the deprecated functions", "give tools instead", CHAT,
+              {"messages": MSG, "functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+    http_case("tools on /v1/completions", "tool calling is on /v1/chat/completions", C,
+              {"prompt": "t5", "tools": TOOLS}, "tools"),
+    http_case("response_format with an invalid JSON schema", "invalid JSON schema", CHAT,
+              {"messages": MSG, "response_format": {"type": "json_schema",
+                                                    "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+              "response_format.json_schema.schema"),
+    http_case("a regex that does not compile", "does not compile", C,
+              {"prompt": "t5", "structured_outputs": {"regex": "t[5"}}, "structured_outputs"),
+    http_case("a regex that does not compile, streamed (refused before the 200)", "does not compile", CHAT,
+              {"messages": MSG, "structured_outputs": {"regex": "t[5"}, "stream": True}, "structured_outputs"),
+    http_case("two output constraints", "at most one output constraint", C,
+              {"prompt": "t5", "structured_outputs": {"regex": "t5"}, "guided_choice": ["t6"]}, "guided_choice"),
+    http_case("max_tokens 0 without echo", "0 is allowed only with echo", C, {"prompt": "t5", "max_tokens": 0},
+              "max_tokens"),
+    http_case("prompt_logprobs with stream", "not available when stream is true", C,
+              {"prompt": "t5", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    http_case("echo on chat completions", "echo is on /v1/completions", CHAT, {"messages": MSG, "echo": True},
+              "echo"),
     api_case('llm.generate(["t5"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(t2")))',
              "the regex does not compile"),
     api_case('llm.generate(["t5", "t6"], [SamplingParams(), SamplingParams(structured_outputs={"grammar": "x"})])',
@@ -378,6 +463,37 @@ def test_api_case(case, files, llms, monkeypatch, tmp_path):
     RESULTS[case_id(case)] = (type(ei.value).__name__, message)
 
 
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    """``tandem serve`` on the tiny model, with the test chat template (tests/server/server_utils.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+    from server_utils import ServerProcess
+
+    s = ServerProcess(tiny_llama, "--max-model-len", "512", "--num-kv-blocks", "64",
+                      tmp=tmp_path_factory.mktemp("bad_inputs_server"))
+    yield s
+    assert s.stop(signal.SIGTERM) == 0, s.log.read_text()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.http is not None], ids=case_id)
+def test_http_case(case, server):
+    import httpx
+
+    path, body, param = case.http
+    r = httpx.post(server.url + path, json={"max_tokens": 2, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and case.must in err["message"] and "\n" not in err["message"], err
+    RESULTS[case_id(case)] = (f"400 (param {param})", err["message"])
+
+
+def test_server_still_answers_after_the_http_cases(server):
+    import httpx
+
+    r = httpx.post(f"{server.url}{CHAT}", json={"messages": MSG, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+
+
 def test_llms_still_answer_after_the_api_cases(llms):
     for name, llm in llms.items():
         assert not llm.engine.has_unfinished_requests(), name
@@ -415,9 +531,12 @@ def render(files: dict[str, str]) -> str:
             where = "CLI (process)" if "process" in case.setup else "`tandem serve`" if "serve" in case.setup else "CLI"
             argv = case.argv[len(TINY):] if case.argv[:len(TINY)] == TINY else case.argv
             shown = f"{case.what}: `{_shell(argv)}`"
+        elif case.http is not None:
+            path, body, _ = case.http
+            where, shown = "HTTP", f"{case.what}: `POST {path} {json.dumps(body)}`"
         else:
             where, shown = "API", f"`{case.what}`"
-        if result not in ("ValueError", "TypeError") and not result.startswith("exit"):
+        if result not in ("ValueError", "TypeError") and not result.startswith(("exit", "400")):
             result += " (a ValueError)"
         rows.append(f"| {i} | {where} | {_cell(shown)} | {result} | {_cell(_normalize(message, files))} |")
     return "\n".join([
@@ -437,12 +556,53 @@ def render(files: dict[str, str]) -> str:
         "In the API cases `llm` is `LLM(<tiny-model>, block_size=4,",
         "num_kv_blocks=64, max_model_len=64)` and `small_cache_llm` the same with `num_kv_blocks=4`.",
         "`--debug` (or `--log-level debug`) adds the traceback to any CLI error.",
+        "HTTP cases are sent to `tandem serve <tiny-model>` (with a test chat template); each gets a",
+        "400 whose OpenAI error body names the field in `param`.",
         "",
         "| # | Where | Input | Result | Message |",
         "|---|---|---|---|---|",
         *rows,
         "",
+        *_server_fields_section(),
     ])
+
+
+def _server_fields_section() -> list[str]:
+    """What the server still refuses, and what it accepts but ignores, from protocol.py's tables."""
+    from tandem.entrypoints.openai import protocol as p
+
+    def names(endpoint: str) -> set[str]:
+        return set(p.UNSUPPORTED[endpoint])
+
+    refused = []
+    for name in sorted(names("completions") | names("chat")):
+        where = ("both" if name in names("completions") and name in names("chat")
+                 else "completions" if name in names("completions") else "chat")
+        harmless = ", ".join(["null", *(f"`{json.dumps(v)}`" for v in p._HARMLESS.get(name, ()))])
+        refused.append(f"| `{name}` | {where} | {p.WHY_UNSUPPORTED.get(name, 'not supported')} | {harmless} |")
+    ignored = {**p.ChatCompletionRequest.IGNORED, **p.CompletionRequest.IGNORED,
+               **{f"messages[].content[].{k}": v for k, v in p.TextPart.IGNORED.items()},
+               **{f"stream_options.{k}": v for k, v in p.StreamOptions.IGNORED.items()}}
+    return [
+        "## Request fields the server refuses or ignores",
+        "",
+        "A field that neither OpenAI nor vLLM defines on an endpoint is refused by name (a typo must",
+        "not pass silently). Of the fields they define, these are refused, because honouring them",
+        "would change the output and tandem cannot; a value that asks for nothing (last column) is",
+        "accepted and dropped. `null` for `n`, `stream`, `logprobs` and `echo` means their default.",
+        "",
+        "| Field | Endpoint | Why | Accepted values |",
+        "|---|---|---|---|",
+        *refused,
+        "",
+        "These are accepted, type-checked and ignored, because they change nothing tandem generates;",
+        "the server logs a warning the first time it sees each one:",
+        "",
+        "| Field | Why it changes nothing |",
+        "|---|---|",
+        *(f"| `{name}` | {why} |" for name, why in sorted(ignored.items())),
+        "",
+    ]
 
 
 def test_doc_is_up_to_date(files):

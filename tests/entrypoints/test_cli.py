@@ -106,7 +106,8 @@ def test_all_values_round_trip(tmp_path):
     sampling = dict(n=2, temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, repetition_penalty=1.2,
                     frequency_penalty=-0.5, presence_penalty=0.5, seed=-9, max_tokens=33, min_tokens=2,
                     stop=["x"], stop_token_ids=[9], ignore_eos=True, logprobs=3, prompt_logprobs=1,
-                    include_stop_str_in_output=True, skip_special_tokens=False, detokenize=False,
+                    include_stop_str_in_output=True, skip_special_tokens=False, spaces_between_special_tokens=False,
+                    detokenize=False,
                     logit_bias={5: -100.0, 7: 2.5}, structured_outputs={"regex": "[ab]+"})
     assert set(sampling) == set(SamplingParams.model_fields), "update this test when a field is added"
     argv: list[str] = []

@@ -185,3 +185,32 @@ def test_a_killed_parent_leaves_no_child_and_no_directory():
         parent.wait()
         parent.stdin.close()
         parent.stdout.close()
+
+
+@pytest.mark.timeout(30)
+def test_one_end_serves_several_peers_and_drops_for_a_stuck_one():
+    """The engine core's side: one bound socket receives from every front end, and each
+    front end gets its own messages; a send that a gone peer's full queue cannot take is
+    dropped (block=False) instead of stalling the sender."""
+    where, secret, ctx = PrivateDir.create(), new_secret(), zmq.Context()
+    hub = Channel(ctx, secret, local=where.address("hub"))
+    fronts = [Channel(ctx, secret, local=where.address(f"f{i}"), remote=where.address("hub")) for i in range(2)]
+    try:
+        peers = [hub.connect(where.address(f"f{i}")) for i in range(2)]
+        for i, f in enumerate(fronts):
+            f.send(Note(f"from {i}"))
+        got = sorted(hub.recv(Note, timeout_s=5).text for _ in range(2))
+        assert got == ["from 0", "from 1"]
+        for i in (1, 0):
+            hub.send(Note(f"to {i}"), peer=peers[i])
+        assert [f.recv(Note, timeout_s=5).text for f in fronts] == ["to 0", "to 1"]
+        assert hub.remotes == [where.address("f0"), where.address("f1")]
+        gone = hub.connect(where.address("nobody"))  # never bound: the queue fills, then sends drop
+        sent = [hub.send_encoded(encode(Note("x")), gone, block=False) for _ in range(5000)]
+        assert sent[0] and not sent[-1]
+    finally:
+        hub.close()
+        for f in fronts:
+            f.close()
+        ctx.term()
+        where.remove()

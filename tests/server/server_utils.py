@@ -15,8 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proc_utils import children_of, cmdline, descendants, free_port, pid_alive, wait_gone
 
-# The tiny test tokenizer has no chat template: a plain one that shows every message.
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} t2 {% endfor %}"
+# The tiny test tokenizer has no chat template: a plain one that shows every message (and, when
+# a request gives them, a `hint` from chat_template_kwargs, the documents' texts, and t30 / t31
+# for enable_thinking true / false).
+CHAT_TEMPLATE = ("{% if hint is defined %}{{ hint }} {% endif %}{% for d in documents or [] %}{{ d['text'] }} "
+                 "{% endfor %}{% if enable_thinking is defined %}{{ 't30' if enable_thinking else 't31' }} {% endif %}"
+                 "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} t2 {% endfor %}"
                  "{% if add_generation_prompt %}t3{% endif %}")
 START_TIMEOUT_S = 300.0  # a loaded two-core machine can take minutes to import torch twice
 

@@ -64,14 +64,13 @@ def test_both_serve_and_answer_alike(server2):
     pids = api_servers(server2)
     cpu_before = {p: cpu_seconds(p) for p in pids}
     body = {"prompt": "t5 t6 t7", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    answers: dict[str, set[str]] = {}
+    answers: dict[str, list[str]] = {}
     for _ in range(40):
         index, out = complete(server2.url, body)
-        answers.setdefault(index, set()).add(out["choices"][0]["text"])
-        if len(answers) == 2 and sum(len(v) for v in answers.values()) >= 2:
-            break
-    assert set(answers) == {"1", "2"}, answers  # both processes answered
-    assert len(set().union(*answers.values())) == 1, answers  # the same greedy text from each
+        answers.setdefault(index, []).append(out["choices"][0]["text"])
+    assert set(answers) == {"1", "2"}, answers  # both processes answered (the kernel spreads connections)
+    assert min(len(v) for v in answers.values()) >= 3, {k: len(v) for k, v in answers.items()}
+    assert len({t for v in answers.values() for t in v}) == 1, answers  # the same greedy text from each
     for p in pids:
         assert cpu_seconds(p) > cpu_before[p], "an API-server process did no work"
 

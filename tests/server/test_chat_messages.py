@@ -68,6 +68,15 @@ def test_tool_conversation_reaches_the_template(tool_server):
     assert got == want
 
 
+def test_tokenize_offers_the_tools_as_chat_does(tool_server):
+    """/tokenize with messages and tools counts the prompt chat completions builds."""
+    r = httpx.post(f"{tool_server.url}/tokenize", json={"messages": CONVERSATION, "tools": TOOLS}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert [f"t{i}" for i in r.json()["tokens"]] == prompt_words(tool_server, messages=CONVERSATION, tools=TOOLS)
+    r = httpx.post(f"{tool_server.url}/tokenize", json={"prompt": "t5", "tools": TOOLS}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
 def test_tool_choice_none_offers_no_tools(tool_server):
     got = prompt_words(tool_server, messages=CONVERSATION[:2], tools=TOOLS, tool_choice="none")
     assert got == "t9 t30 t20 t2 t31 t21 t2 t3".split()

@@ -26,6 +26,12 @@ def test_chat_with_the_embedded_model(tmp_path):
         assert httpx.post(f"{srv.url}/tokenize", json={"messages": messages}).json()["tokens"] == want
         c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=600)
         assert c.models.list().data[0].id == "SmolLM2-135M-Instruct"
+        # the tokenizer folder clients are pointed at (README): the GGUF's conversion in the cache
+        folder = resolve_model_config(EngineConfig()).tokenizer
+        card = httpx.get(f"{srv.url}/v1/models").json()["data"][0]
+        info = httpx.get(f"{srv.url}/tokenizer_info").json()
+        assert card["tokenizer"] == info["name_or_path"] == folder and "/gguf/" in folder
+        assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
         r = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=24, temperature=0)
         assert r.usage.prompt_tokens == len(want)
         assert "Paris" in r.choices[0].message.content

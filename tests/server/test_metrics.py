@@ -37,11 +37,22 @@ def test_counters_move(server):
     assert moved("tandem:time_to_first_token_seconds_count") == 3
     assert moved("tandem:inter_token_latency_seconds_count") == 5 + 2 * 5 + 4
     assert moved("tandem:e2e_request_latency_seconds_count") == 4
+    # vLLM's per-request histograms: one observation per finished choice
+    assert moved("tandem:request_time_per_output_token_seconds_count") == 4
+    assert 0 < moved("tandem:request_time_per_output_token_seconds_sum") < moved(
+        "tandem:e2e_request_latency_seconds_sum")
+    assert moved("tandem:request_prompt_tokens_count") == moved("tandem:request_generation_tokens_count") == 4
+    assert moved("tandem:request_prompt_tokens_sum") == 40 + 2 * 40 + 5  # n=2: each choice counts its prompt
+    assert moved("tandem:request_generation_tokens_sum") == generated
+    assert moved('tandem:request_prompt_tokens_bucket{le=50.0}') == 4  # 1-2-5 buckets, as vLLM's
+    assert moved('tandem:request_generation_tokens_bucket{le=5.0}') == 1  # the 5-token chat
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == 32  # r1 computed those two blocks
     assert moved("tandem:request_queue_time_seconds_count") >= 3
     assert moved("tandem:engine_steps_launched_total") >= 6
     assert moved("tandem:engine_steps_launched_ahead_total") >= 1  # async scheduling overlaps steps
     assert 0 < after["tandem:engine_step_overlap_ratio"] <= 1
-    assert moved("tandem:engine_idle_seconds_total") >= 0
+    # The engine waited between the requests (each one is sent after the last answer came).
+    assert "tandem:engine_idle_seconds_total" in after and moved("tandem:engine_idle_seconds_total") > 0
     assert moved("tandem:prefix_cache_queries_total") >= 80
     assert moved("tandem:prefix_cache_hits_total") >= 32  # the second request reuses the first one's blocks
     assert 0 < after["tandem:prefix_cache_hit_rate"] <= 1

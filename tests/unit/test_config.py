@@ -4,11 +4,12 @@
 """
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
 
-from tandem.config import EngineConfig
+from tandem.config import STEP_DEFAULTS, EngineConfig, StepLimits
 from tandem.config import engine as engine_config
 from tandem.validation import InvalidValuesError
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.timeout(60)
 # Today's defaults: the CLI, the Python API and the docs all depend on them.
 DEFAULTS = dict(
     model=None, tokenizer=None, dtype="auto", device="auto", block_size=16, num_kv_blocks=None,
-    gpu_memory_utilization=0.9, cpu_kv_cache_gib=1.0, max_num_seqs=64, max_num_batched_tokens=2048,
+    gpu_memory_utilization=0.9, cpu_kv_cache_gib=1.0, max_num_seqs=None, max_num_batched_tokens=None,
     max_model_len=None, enable_prefix_caching=True, enable_chunked_prefill=True, async_scheduling=True,
     max_logprobs=20, seed=0, executor="auto", tensor_parallel_size=1, rpc_timeout_s=300.0,
     worker_cls="tandem.worker.worker.Worker", worker_start_timeout_s=600.0,
@@ -39,6 +40,50 @@ def test_resolved_executor(kwargs, expected):
     assert EngineConfig(**kwargs).resolved_executor == expected
 
 
+# -- the step limits: the device's defaults where none were given --------------------------------
+def test_step_limits_default_to_the_devices():
+    """CUDA gets the tuned H200 figure (256/8192); the CPU keeps its small steps (64/2048)."""
+    cfg = EngineConfig()
+    assert cfg.step_limits("cuda") == StepLimits(max_num_seqs=256, max_num_batched_tokens=8192)
+    assert cfg.step_limits("cpu") == StepLimits(max_num_seqs=64, max_num_batched_tokens=2048)
+    assert STEP_DEFAULTS == {"cuda": (256, 8192), "cpu": (64, 2048)}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_given_step_limits_always_win(device):
+    assert EngineConfig(max_num_seqs=3, max_num_batched_tokens=100).step_limits(device) == (3, 100)
+    assert EngineConfig(max_num_seqs=300).step_limits(device) == (300, STEP_DEFAULTS[device].max_num_batched_tokens)
+    assert EngineConfig(max_num_batched_tokens=50).step_limits(device) == (STEP_DEFAULTS[device].max_num_seqs, 50)
+    assert EngineConfig(max_num_seqs=None, max_num_batched_tokens=None).step_limits(device) == STEP_DEFAULTS[device]
+
+
+def test_a_default_budget_below_max_model_len_is_refused_where_it_applies():
+    """Without chunked prefill the budget must hold the longest prompt: the CPU's 2048 does not
+    hold 4096 tokens, CUDA's 8192 does."""
+    cfg = EngineConfig(enable_chunked_prefill=False, max_model_len=4096)
+    assert cfg.step_limits("cuda").max_num_batched_tokens == 8192
+    with pytest.raises(ValueError, match=r"without chunked prefill, max_num_batched_tokens \(2048, the cpu default\) "
+                                         r"must be >= max_model_len \(4096\)"):
+        cfg.step_limits("cpu")
+
+
+def test_the_resolved_model_config_carries_the_limits(tiny_llama):
+    """Resolved once, with the device: what the scheduler, the worker and the input checks read."""
+    from tandem.models.model_config import resolve_model_config
+
+    mc = resolve_model_config(EngineConfig(model=tiny_llama, device="cpu"))
+    assert (mc.max_num_seqs, mc.max_num_batched_tokens) == (64, 2048)
+    mc = resolve_model_config(EngineConfig(model=tiny_llama, device="cpu", max_num_seqs=5))
+    assert (mc.max_num_seqs, mc.max_num_batched_tokens) == (5, 2048)
+
+
+def test_help_states_both_devices_defaults():
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        text = EngineConfig.model_fields[name].description
+        cuda, cpu = STEP_DEFAULTS["cuda"]._asdict()[name], STEP_DEFAULTS["cpu"]._asdict()[name]
+        assert f"{cuda} on CUDA" in text and f"{cpu} on the CPU" in text, text
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(block_size=1048576), "block_size must be a power of two <= 256, got 1048576"),
     (dict(block_size=512), "block_size must be a power of two <= 256, got 512"),
@@ -49,7 +94,8 @@ def test_resolved_executor(kwargs, expected):
     (dict(block_size=16.0), "block_size must be an integer, got float 16.0"),
     (dict(max_num_seqs="8"), "max_num_seqs must be an integer, got str '8'"),
     (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1, got 0"),
-    (dict(max_num_batched_tokens=None), "max_num_batched_tokens must be an integer, got NoneType None"),
+    (dict(max_num_batched_tokens="lots"), "max_num_batched_tokens must be an integer, got str 'lots'"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an integer >= 1, got 0"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be in (0, 1], got 1.5"),
     (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization must be in (0, 1], got 0.0"),
     (dict(gpu_memory_utilization=float("nan")), "gpu_memory_utilization must be a finite number, got float nan"),
@@ -155,8 +201,25 @@ def test_every_field_is_described():
 
 # -- memory before allocation -------------------------------------------------------------------
 def test_available_memory_is_read():
+    """The kernel's MemAvailable, in bytes (read again here: it moves a little between reads)."""
+    if not os.path.exists("/proc/meminfo"):
+        pytest.skip("no /proc/meminfo on this platform")
     available = engine_config.available_memory_bytes()
-    assert available is None or available > 0
+    with open("/proc/meminfo", encoding="ascii") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert available is not None and 0 < available <= total
+    assert abs(available - kib * 1024) <= 0.1 * kib * 1024, (available, kib)
+
+
+def test_available_memory_falls_back_to_sysconf(monkeypatch):
+    def no_proc(*args, **kwargs):
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr("builtins.open", no_proc)
+    available = engine_config.available_memory_bytes()
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert available is not None and 0 < available <= total
 
 
 def test_cpu_memory_refused_above_what_is_available(monkeypatch):

@@ -92,8 +92,8 @@ class _DecodeOnly:
     def __init__(self, tok):
         self._tok = tok
 
-    def decode(self, ids, skip_special_tokens=False):
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids, skip_special_tokens=False, **kwargs):  # e.g. spaces_between_special_tokens
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens, **kwargs)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -10,14 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem import SamplingParams
-from tandem.validation import InvalidValuesError
+from tandem.validation import InvalidValuesError, ParamError
 
 pytestmark = pytest.mark.timeout(120)
 
 DEFAULTS = dict(
     n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, frequency_penalty=0.0,
     presence_penalty=0.0, seed=None, max_tokens=16, min_tokens=0, stop=[], stop_token_ids=[], ignore_eos=False,
-    logprobs=None, prompt_logprobs=None, include_stop_str_in_output=False, skip_special_tokens=True, detokenize=True,
+    logprobs=None, prompt_logprobs=None, include_stop_str_in_output=False, skip_special_tokens=True,
+    spaces_between_special_tokens=True, detokenize=True,
     logit_bias=None, structured_outputs=None,
 )
 FLOAT_FIELDS = ["temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"]
@@ -179,3 +180,19 @@ def test_logit_bias_takes_openai_string_keys_and_checks_ranges():
             SamplingParams(logit_bias=bad)
     sp = SamplingParams(logit_bias={"5": 1})
     assert SamplingParams.model_validate(sp.model_dump()) == sp
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(logit_bias={5: 500}), "logit_bias"),
+    (dict(stop_token_ids=[3, -1]), "stop_token_ids[1]"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(temperature=-1, top_p=2), "temperature"),
+    (dict(bogus=1), "bogus"),
+    (dict(structured_outputs={"json": {}, "regex": "a"}), "structured_outputs"),
+])
+def test_a_refusal_names_its_parameter(kwargs, param):
+    """A server reads the refused parameter from the error (``param``), never from its text."""
+    with pytest.raises(ParamError) as ei:
+        SamplingParams(**kwargs)
+    assert ei.value.param == param
+    assert ei.value.params[0] == param and len(ei.value.params) == len(ei.value.problems)

@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -34,6 +35,8 @@ from tandem.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, PrometheusSta
 from tandem.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                 TokenizeRequest, refuse_unsupported)
 from tandem.entrypoints.openai.serving import ServerSettings
+from tandem.entrypoints.openai.tokenizer_info import tokenizer_info
+from tandem.entrypoints.openai.tools import template_tools
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +140,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: Prometheu
               lifespan: Optional[Callable[[FastAPI], AsyncContextManager[None]]] = None) -> FastAPI:
     app = FastAPI(title="tandem", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
+    stat_logger.set_max_model_len(engine.max_model_len)
     completions = CompletionServing(engine, settings)
     chat = ChatServing(engine, settings)
     created = int(time.time())
@@ -154,12 +158,20 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: Prometheu
     async def version() -> Response:
         return JSONResponse({"version": __version__})
 
+    tokenizer_folder = os.path.abspath(engine.model.tokenizer)
+
     @app.get("/v1/models")
     async def models() -> Response:
+        # "tokenizer": a folder clients (lm-eval, guidellm, aiperf) can load the same tokenizer from
         data = [{"id": name, "object": "model", "created": created, "owned_by": "tandem",
-                 "root": engine.config.model or name, "max_model_len": engine.max_model_len}
+                 "root": engine.config.model or name, "max_model_len": engine.max_model_len,
+                 "tokenizer": tokenizer_folder}
                 for name in settings.served_model_names]
         return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info() -> Response:
+        return JSONResponse(tokenizer_info(engine.tokenizer, tokenizer_folder, settings.chat_template))
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
@@ -175,11 +187,13 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: Prometheu
         completions.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+        if req.tools and req.messages is None:
+            raise bad_request("tools reach the chat template: give them with 'messages'", "tools")
         if req.messages is not None:
-            chat_req = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
-            ids = chat.prompt_ids(chat_req)
+            ids = chat.prompt_ids(req, req.messages, template_tools(req.tools) if req.tools else None)
         else:
-            ids = engine.tokenize(req.prompt or "", add_special_tokens=req.add_special_tokens)
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = engine.tokenize(req.prompt or "", add_special_tokens=add_special)
         return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
 
     @app.post("/detokenize")

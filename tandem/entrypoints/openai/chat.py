@@ -15,7 +15,8 @@ from starlette.responses import JSONResponse, Response
 
 from tandem.entrypoints.openai.errors import bad_request
 from tandem.entrypoints.openai.logprobs import clamp, prompt_logprobs_json
-from tandem.entrypoints.openai.protocol import ChatCompletionRequest, StreamOptions
+from tandem.entrypoints.openai.protocol import (TEMPLATE_CALL_ARGS, ChatCompletionRequest, ChatMessage,
+                                                ChatTemplateFields, StreamOptions)
 from tandem.entrypoints.openai.serving import ChoiceBuilder, OpenAIServing, created, sse, usage
 from tandem.entrypoints.openai.structured import structured_outputs_of
 from tandem.entrypoints.openai.tool_parsers import ToolCallExtractor
@@ -40,12 +41,35 @@ def chat_logprobs(c: CompletionOutput, start: int, end: int, top: int) -> Option
     return {"content": content}
 
 
+def _generation_prompt(req: ChatTemplateFields) -> bool:
+    """``add_generation_prompt``, whose default depends on ``continue_final_message`` (as in vLLM)."""
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise bad_request("give continue_final_message or add_generation_prompt, not both: a continued "
+                              "message cannot be followed by a new turn", "continue_final_message")
+        return False
+    return True if req.add_generation_prompt is None else req.add_generation_prompt
+
+
 class ChatServing(OpenAIServing):
-    def prompt_ids(self, req: ChatCompletionRequest, tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
-        kwargs = {} if tools is None else {"tools": tools}
+    PARAM_NAMES = {"prompt": "messages", "logprobs": "top_logprobs"}
+
+    def prompt_ids(self, req: ChatTemplateFields, messages: list[ChatMessage],
+                   tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+        """Token ids of ``messages`` through the chat template, as ``req``'s template fields ask;
+        ``tools``: the function definitions the template offers the model (None: no tools)."""
+        add_generation_prompt = _generation_prompt(req)
+        reserved = sorted(TEMPLATE_CALL_ARGS & (req.chat_template_kwargs or {}).keys())
+        if reserved:
+            field = reserved[0] in type(req).model_fields
+            raise bad_request(f"chat_template_kwargs cannot set {reserved[0]!r}: it is an argument of the template "
+                              "call itself" + (f"; give it as the request field '{reserved[0]}'" if field else ""),
+                              "chat_template_kwargs")
         try:
-            return self.engine.apply_chat_template([m.as_template_dict() for m in req.messages],
-                                                   req.add_generation_prompt, self.settings.chat_template, **kwargs)
+            return self.engine.apply_chat_template(
+                [m.as_template_dict() for m in messages], add_generation_prompt, self.settings.chat_template,
+                continue_final_message=req.continue_final_message, add_special_tokens=bool(req.add_special_tokens),
+                documents=req.documents, tools=tools, template_kwargs=req.template_kwargs())
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         except Exception as e:  # a template error (jinja) is the request's or the template's fault
@@ -68,7 +92,7 @@ class ChatServing(OpenAIServing):
                 raise bad_request(f"tool_choice {'required' if plan.named is None else 'naming a function'} "
                                   f"constrains the output already; drop {constraint_param}", constraint_param)
             constraint, constraint_param = plan.constraint, "tools"
-        ids = self.prompt_ids(req, plan.template_tools)
+        ids = self.prompt_ids(req, req.messages, plan.template_tools)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(requested, len(ids), None, param)

@@ -45,7 +45,8 @@ class CompletionServing(OpenAIServing):
         prompts = req.prompt
         self.check_common(req, len(prompts))
         self._check_echo(req)
-        ids_list = [self.engine.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids_list = [self.engine.tokenize(p, req.add_special_tokens) if isinstance(p, str) else list(p)
+                    for p in prompts]
         shape = _Shape(req, [], req.n)
         # Echo with logprobs scores the prompt too: its positions get as many alternatives as the output's.
         prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not req.echo else req.logprobs

@@ -16,7 +16,7 @@ Two sources, each counted once however many API-server processes there are:
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -33,6 +33,21 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0, 160.0, 640.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                 1.0, 2.5, 5.0, 10.0)
+# vLLM's buckets for vllm:request_time_per_output_token_seconds.
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                 80.0)
+
+
+def buckets_1_2_5(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets, ``limit`` = max_model_len)."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(float(m * scale))
+        scale *= 10
 
 # The core's numbers: (name, help, CoreStats attribute); gauges are "now", counters "since start".
 _CORE_GAUGES = (
@@ -113,8 +128,26 @@ class PrometheusStatLogger:
                              _LATENCY_BUCKETS)
         self.queue_time = histogram("tandem:request_queue_time_seconds",
                                     "Time a request waited before it was first scheduled", _LATENCY_BUCKETS)
+        self.tpot = histogram("tandem:request_time_per_output_token_seconds",
+                              "Per request: seconds from its first to its last token over its tokens after the first "
+                              "(0 for one token)", _TPOT_BUCKETS)
+        # Token-count histograms: buckets up to max_model_len, known once the model is (set_max_model_len).
+        self.request_prompt_tokens: Optional[Histogram] = None
+        self.request_generation_tokens: Optional[Histogram] = None
         if r is not None:
             r.register(_CoreCollector(self))
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Create the per-request token-count histograms (once), with buckets up to ``max_model_len``."""
+        if self.request_prompt_tokens is not None:
+            return
+        buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = Histogram(
+            "tandem:request_prompt_tokens", "Prompt tokens per finished request", ["model_name"], buckets=buckets,
+            registry=self.registry).labels(self.model_name)
+        self.request_generation_tokens = Histogram(
+            "tandem:request_generation_tokens", "Generated tokens per finished request", ["model_name"],
+            buckets=buckets, registry=self.registry).labels(self.model_name)
 
     def record(self, core: CoreStats, it: IterationStats) -> None:
         self.core = core
@@ -131,6 +164,10 @@ class PrometheusStatLogger:
         for f in it.finished:
             self.finished.labels(self.model_name, f.finish_reason).inc()
             self.e2e.observe(f.e2e_latency)
+            self.tpot.observe(f.time_per_output_token)
+            if self.request_prompt_tokens is not None and self.request_generation_tokens is not None:
+                self.request_prompt_tokens.observe(f.num_prompt_tokens)
+                self.request_generation_tokens.observe(f.num_generation_tokens)
 
     def render(self) -> bytes:
         if self.registry is not None:

@@ -1,40 +1,131 @@
 """Request bodies of the OpenAI-compatible API, as strict pydantic models.
 
 Strict means a wrong type is refused rather than coerced (``"1"`` is not an int, ``true`` is
-not a number), and a field the server does not know is refused by name rather than
-ignored. Fields OpenAI defines that tandem does not implement (``suffix``, ``best_of``...)
-are refused with a sentence saying so, before validation, so the client learns why instead
-of getting output that silently ignored its request.
+not a number), and a field that neither OpenAI nor vLLM defines is refused by name rather
+than ignored, so a typo never passes silently. The fields they define fall in three groups:
+
+- implemented (sampling settings, ``response_format``, ``tools``, ``echo``,
+  ``chat_template_kwargs``, ``continue_final_message``...);
+- ignored, because they change nothing tandem generates (``store``, ``metadata``,
+  ``service_tier``, ``request_id``...): accepted, type-checked, and logged with a warning the
+  first time each one is seen in the process (``IGNORED``);
+- refused, because honouring them would change the output and tandem cannot (beam search,
+  ``suffix``, ``best_of``, the deprecated ``functions``...): a 400 with a sentence saying why,
+  before validation, unless the value asks for nothing (null, ``best_of: 1``, ``n: null``...),
+  which is dropped.
 """
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional
+import logging
+from typing import Any, ClassVar, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tandem.entrypoints.openai.errors import bad_request
 
+logger = logging.getLogger(__name__)
+
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
-# Fields OpenAI (or vLLM) accepts that this server refuses, with the value that is harmless.
+# Fields OpenAI (or vLLM) accepts that this server refuses, with the values that are harmless.
 _UNSUPPORTED_COMMON = ("functions", "function_call", "prediction", "audio", "modalities")
-_HARMLESS: dict[str, Any] = {"echo": False, "suffix": "", "best_of": 1}
-UNSUPPORTED = {
-    "completions": _UNSUPPORTED_COMMON + ("suffix", "best_of", "tools", "tool_choice", "parallel_tool_calls"),
-    "chat": _UNSUPPORTED_COMMON + ("echo",),
+# vLLM's extensions that tandem does not implement (and OpenAI's newer chat fields).
+_UNSUPPORTED_VLLM = ("use_beam_search", "length_penalty", "watermarking", "truncate_prompt_tokens",
+                     "allowed_token_ids", "logprob_token_ids", "bad_words", "priority", "cache_salt",
+                     "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "repetition_detection",
+                     "thinking_token_budget", "return_tokens_as_token_ids", "return_token_ids")
+_HARMLESS: dict[str, tuple[Any, ...]] = {
+    "echo": (False,), "suffix": ("",), "best_of": (1,), "modalities": (["text"],), "use_beam_search": (False,),
+    "length_penalty": (1.0,), "watermarking": (False,), "bad_words": ([],), "priority": (0,), "vllm_xargs": ({},),
+    "thinking_token_budget": (-1,), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
+    "return_prompt_text": (False,), "media_io_kwargs": ({},), "mm_processor_kwargs": ({},),
 }
+UNSUPPORTED = {
+    "completions": _UNSUPPORTED_COMMON + ("suffix", "best_of", "tools", "tool_choice", "parallel_tool_calls")
+    + _UNSUPPORTED_VLLM + ("prompt_embeds",),
+    "chat": _UNSUPPORTED_COMMON + ("echo",) + _UNSUPPORTED_VLLM + (
+        "chat_template", "media_io_kwargs", "mm_processor_kwargs", "return_prompt_text", "verbosity",
+        "web_search_options"),
+}
+# Why each refused field is refused (the 400's message and docs/bad-inputs.md).
+WHY_UNSUPPORTED: dict[str, str] = {
+    "tools": "tool calling is on /v1/chat/completions", "tool_choice": "tool calling is on /v1/chat/completions",
+    "parallel_tool_calls": "tool calling is on /v1/chat/completions",
+    "functions": "the deprecated function calling is not implemented; give tools instead",
+    "function_call": "the deprecated function calling is not implemented; give tool_choice instead",
+    "prediction": "predicted outputs are not implemented", "audio": "this server generates text only",
+    "modalities": "this server generates text only (modalities [\"text\"] is accepted)",
+    "suffix": "fill-in-the-middle is not implemented",
+    "echo": "echo is on /v1/completions (the prompt and, with logprobs, its logprobs)",
+    "best_of": "best-of sampling is not implemented; n gives several choices",
+    "use_beam_search": "beam search is not implemented", "length_penalty": "beam search is not implemented",
+    "watermarking": "watermarking is not implemented",
+    "truncate_prompt_tokens": "prompts are never truncated; send a shorter prompt",
+    "allowed_token_ids": "not implemented; logit_bias -100 bans tokens",
+    "logprob_token_ids": "not implemented; logprobs gives the top tokens",
+    "bad_words": "bad-word filtering is not implemented",
+    "priority": "requests are scheduled first come, first served",
+    "cache_salt": "the prefix cache cannot be salted; every request shares it",
+    "kv_transfer_params": "disaggregated serving is not implemented",
+    "ec_transfer_params": "disaggregated serving is not implemented",
+    "vllm_xargs": "there are no custom extensions", "repetition_detection": "repetition detection is not implemented",
+    "thinking_token_budget": "thinking budgets are not implemented",
+    "return_tokens_as_token_ids": "not implemented", "return_token_ids": "not implemented",
+    "return_prompt_text": "not implemented", "prompt_embeds": "prompt embeddings are not accepted",
+    "chat_template": "per-request chat templates are not accepted; start the server with --chat-template",
+    "media_io_kwargs": "this server takes text only", "mm_processor_kwargs": "this server takes text only",
+    "verbosity": "not implemented", "web_search_options": "web search is not implemented",
+}
+# Fields whose null means "the default", as OpenAI documents them.
+_NULL_MEANS_DEFAULT = ("n", "stream", "logprobs", "echo")
+_warned: set[str] = set()
+
+
+def _harmless(name: str, value: Any) -> bool:
+    """Null, or a value that asks for nothing (``false`` is not ``0``: types must match)."""
+    return value is None or any(isinstance(value, bool) == isinstance(h, bool) and value == h
+                                for h in _HARMLESS.get(name, ()))
 
 
 def refuse_unsupported(body: dict[str, Any], endpoint: str) -> None:
-    """Raise a 400 naming the first unsupported field that asks for something."""
+    """Raise a 400 naming the first unsupported field that asks for something; drop those
+    that ask for nothing (unless the request model has a field of that name)."""
+    fields = _MODELS[endpoint].model_fields
     for name in UNSUPPORTED[endpoint]:
-        if name in body and body[name] is not None and body[name] != _HARMLESS.get(name, None):
-            raise bad_request(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+        if name not in body:
+            continue
+        if not _harmless(name, body[name]):
+            why = WHY_UNSUPPORTED.get(name)
+            raise bad_request(f"'{name}' is not supported by this server" + (f": {why}" if why else ""), name,
+                              "unsupported_parameter")
+        if name not in fields:
+            del body[name]
+
+
+def warn_ignored(name: str, why: str) -> None:
+    """Log once per field name and process that a request field was accepted but ignored."""
+    if name not in _warned:
+        _warned.add(name)
+        logger.warning("ignoring the request field %r (%s); later requests with it are not logged", name, why)
+
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class _WarnsIgnored(_Strict):
+    """A model with fields that are accepted but ignored: ``IGNORED`` maps each to the reason."""
+
+    IGNORED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="after")
+    def _warn_ignored(self) -> Any:
+        for name in self.model_fields_set & self.IGNORED.keys():
+            if getattr(self, name) is not None:
+                warn_ignored(name, self.IGNORED[name])
+        return self
 
 
 class JsonSchemaFormat(_Strict):
@@ -80,19 +171,42 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_WarnsIgnored):
+    IGNORED = {"include_obfuscation": "chunks are never padded"}
+
     include_usage: bool = False
     # vLLM's extension (load generators such as guidellm send it): with include_usage, every
     # chunk also carries the usage so far.
     continuous_usage_stats: bool = False
+    include_obfuscation: Optional[bool] = None
 
     @property
     def continuous_usage(self) -> bool:
         return self.include_usage and self.continuous_usage_stats
 
 
-class _SamplingRequest(_Strict):
+_IGNORED_VLLM = {
+    "request_id": "responses carry tandem's own ids", "session_id": "there is no session routing",
+    "stream_interval": "each step's tokens are streamed as they come",
+    "return_token_offsets": "only vLLM's render endpoints use it",
+    "return_mm_kwargs": "only vLLM's render endpoints use it",
+    "routed_experts_prompt_start": "no expert-routing data is returned",
+    "truncation_side": "prompts are never truncated",
+}
+
+
+class _SamplingRequest(_WarnsIgnored):
     """The generation settings both endpoints share (OpenAI's, plus vLLM's extras)."""
+
+    IGNORED = _IGNORED_VLLM
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI documents ``n``, ``stream``, ``logprobs`` and ``echo`` as nullable: null is the default."""
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in _NULL_MEANS_DEFAULT):
+            return {k: v for k, v in data.items() if not (k in _NULL_MEANS_DEFAULT and v is None)}
+        return data
 
     model: Optional[str] = None
     n: int = Field(1, ge=1)
@@ -116,6 +230,7 @@ class _SamplingRequest(_Strict):
     logit_bias: Optional[dict[str, float]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     # vLLM's extension: the logprobs of each prompt token (and its top-k), in vLLM's shape.
     prompt_logprobs: Optional[int] = Field(None, ge=0)
     user: Optional[str] = None  # an end-user id: accepted, as OpenAI does, and only logged
@@ -128,6 +243,14 @@ class _SamplingRequest(_Strict):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    # Accepted and ignored (IGNORED says why).
+    request_id: Optional[str] = None
+    session_id: Optional[str] = None
+    stream_interval: Optional[int] = Field(None, ge=1)
+    return_token_offsets: Optional[bool] = None
+    return_mm_kwargs: Optional[bool] = None
+    routed_experts_prompt_start: Optional[int] = Field(None, ge=0)
+    truncation_side: Optional[Literal["left", "right"]] = None
 
     @field_validator("stop")
     @classmethod
@@ -157,6 +280,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+    add_special_tokens: bool = True  # vLLM's: BOS and the like on text prompts
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -178,9 +302,12 @@ class CompletionRequest(_SamplingRequest):
                          "of token ids")
 
 
-class TextPart(_Strict):
+class TextPart(_WarnsIgnored):
+    IGNORED = {"cache_control": "the prefix cache needs no hints"}
+
     type: Literal["text"]
     text: str
+    cache_control: Optional[dict[str, Any]] = None  # Anthropic-style caching hint (LiteLLM sends it)
 
 
 class FunctionCall(_Strict):
@@ -274,15 +401,54 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-class ChatCompletionRequest(_SamplingRequest):
+# apply_chat_template's own arguments: chat_template_kwargs may not set them.
+TEMPLATE_CALL_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+class ChatTemplateFields(_Strict):
+    """How messages become a prompt (vLLM's fields, shared by chat completions and /tokenize)."""
+
+    add_generation_prompt: Optional[bool] = None  # default: true, unless continue_final_message
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # on top of what the template writes
+    documents: Optional[list[dict[str, str]]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The template's extra variables: ``chat_template_kwargs``, plus ``reasoning_effort``
+        (and, as vLLM does, ``enable_thinking`` from it unless the kwargs set it)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
+
+
+class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
+    IGNORED = {**_IGNORED_VLLM,
+               "store": "tandem keeps no completions", "metadata": "tandem keeps no completions to tag",
+               "service_tier": "tandem has one service tier", "prompt_cache_key": "the prefix cache needs no key",
+               "safety_identifier": "an end-user id, like user",
+               "include_reasoning": "there is no reasoning parser: reasoning stays in the content"}
+
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
-    add_generation_prompt: bool = True
     tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[Literal["none", "auto", "required"] | NamedToolChoice] = None
     parallel_tool_calls: Optional[bool] = None  # false: tool_choice "required" makes exactly one call
+    # Accepted and ignored (IGNORED says why).
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    include_reasoning: Optional[bool] = None
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -293,14 +459,17 @@ class ChatCompletionRequest(_SamplingRequest):
                          '{"name": ...}}')
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(ChatTemplateFields):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    tools: Optional[list[ChatTool]] = None  # with messages: offered to the template, as chat does
+    add_special_tokens: Optional[bool] = None  # default: true for a prompt, false for messages
 
 
 class DetokenizeRequest(_Strict):
     model: Optional[str] = None
     tokens: list[int]
+
+
+_MODELS: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatCompletionRequest}

@@ -289,7 +289,7 @@ class ApiServerPool:
             self._wait_ready(i, proc, started)
 
     def _wait_ready(self, i: int, proc: subprocess.Popen, started: float) -> None:
-        """Each child writes one line to its stdout once it serves: ``ready <rss bytes>``."""
+        """Each child writes one line to its stdout once it serves: ``ready <rss bytes> torch=<0|1>``."""
         import select
 
         assert proc.stdout is not None
@@ -302,8 +302,9 @@ class ApiServerPool:
                 line = proc.stdout.readline().decode(errors="replace").split()
                 if line[:1] == ["ready"]:
                     rss = int(line[1]) / (1 << 20) if len(line) > 1 else 0.0
+                    torch = " (torch imported!)" if "torch=1" in line else ""
                     print(f"tandem: API server {i + 1}/{self.count} (pid {proc.pid}) ready in "
-                          f"{time.monotonic() - started:.1f} s, RSS {rss:.0f} MiB", file=sys.stderr, flush=True)
+                          f"{time.monotonic() - started:.1f} s, RSS {rss:.0f} MiB{torch}", file=sys.stderr, flush=True)
                     return
             if proc.poll() is not None:
                 raise RuntimeError(f"API server {i + 1} (pid {proc.pid}) exited with code {proc.returncode} "

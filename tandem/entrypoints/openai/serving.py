@@ -20,12 +20,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.engine.async_llm import AsyncLLM, RequestStream
+from tandem.engine.input_processor import ContextLengthError, output_budget
 from tandem.engine.messages import EngineDeadError
 from tandem.entrypoints.openai.errors import APIError, bad_request, error_body
 from tandem.entrypoints.openai.protocol import StreamOptions, _SamplingRequest
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.types.engine_output import INVALID_REQUEST
+from tandem.validation import ParamError
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +66,22 @@ async def wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def usage(prompt_lens: Sequence[int], outputs: Sequence[RequestOutput]) -> dict[str, int]:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens found in the prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def usage(prompt_lens: Sequence[int], outputs: Sequence[RequestOutput]) -> dict[str, Any]:
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    prompt = sum(prompt_lens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return usage_body(sum(prompt_lens), completion, sum(o.num_cached_tokens for o in outputs))
 
 
 class OpenAIServing:
+    # The request field that carries a SamplingParams / engine parameter, where the names differ.
+    PARAM_NAMES: dict[str, str] = {}
+
     def __init__(self, engine: AsyncLLM, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
@@ -95,20 +106,22 @@ class OpenAIServing:
 
     def max_tokens(self, requested: Optional[int], num_prompt_tokens: int, default: Optional[int],
                    param: str = "max_tokens") -> Optional[int]:
-        """The output budget; a prompt plus an explicit budget over the context is a 400."""
-        limit = self.engine.max_model_len
-        if num_prompt_tokens >= limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                              f"{num_prompt_tokens} tokens; it must leave room for at least one output token.",
-                              "prompt" if param == "max_tokens" else "messages", "context_length_exceeded")
-        if requested is not None and num_prompt_tokens + requested > limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
-                              f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, "
-                              f"{requested} in the completion). Please reduce the prompt or the completion.",
-                              param, "context_length_exceeded")
-        if requested is not None:
-            return requested
-        return None if default is None else min(default, limit - num_prompt_tokens)
+        """The output budget (the engine's ``output_budget`` checks it; None: to the end of the
+        context); a prompt or an explicit budget past the context is OpenAI's
+        context_length_exceeded 400."""
+        try:
+            budget = output_budget(self.engine.max_model_len, num_prompt_tokens, requested, default)
+            return None if requested is None and default is None else budget
+        except ContextLengthError as e:
+            if e.requested is None:
+                raise bad_request(f"This model's maximum context length is {e.limit} tokens. However, your prompt "
+                                  f"has {e.num_prompt_tokens} tokens; it must leave room for at least one output "
+                                  "token.", self.PARAM_NAMES.get("prompt", "prompt"), "context_length_exceeded"
+                                  ) from None
+            raise bad_request(f"This model's maximum context length is {e.limit} tokens. However, you requested "
+                              f"{e.num_prompt_tokens + e.requested} tokens ({e.num_prompt_tokens} in the prompt, "
+                              f"{e.requested} in the completion). Please reduce the prompt or the completion.",
+                              param, "context_length_exceeded") from None
 
     @staticmethod
     def sampling_params(req: _SamplingRequest, max_tokens: Optional[int], logprobs: Optional[int],
@@ -120,7 +133,7 @@ class OpenAIServing:
             stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             stop_token_ids=list(req.stop_token_ids or []), logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-            logit_bias=req.logit_bias or None,
+            spaces_between_special_tokens=req.spaces_between_special_tokens, logit_bias=req.logit_bias or None,
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -146,7 +159,7 @@ class OpenAIServing:
                 self.engine.abort(s.request_id)
             if isinstance(e, EngineDeadError):
                 raise APIError(503, f"the engine is not running: {e}", code="engine_dead") from None
-            raise _refused_params(e) from None
+            raise _refused_params(e, self.PARAM_NAMES) from None
         return request_id, streams
 
     def abort(self, streams: Sequence[RequestStream]) -> None:
@@ -244,8 +257,10 @@ class OpenAIServing:
         prompt_tokens = sum(prompt_lens)
         tracker = ChoiceTracker(len(streams) * n)
         finals: dict[int, RequestOutput] = {}
+        cached = [0] * len(streams)  # each prompt's prefix-cache hit, known from its first output on
 
         def chunk_of(i: int, out: RequestOutput) -> Optional[bytes]:
+            cached[i] = out.num_cached_tokens
             choices = []
             for c in out.outputs:
                 index = i * n + c.index
@@ -261,9 +276,7 @@ class OpenAIServing:
                 return None
             body = {**head, "choices": choices}
             if continuous:
-                done = sum(tracker.tokens_sent)
-                body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
-                                 "total_tokens": prompt_tokens + done}
+                body["usage"] = usage_body(prompt_tokens, sum(tracker.tokens_sent), sum(cached))
             return sse(body)
 
         try:
@@ -300,12 +313,11 @@ class OpenAIServing:
         return sse(error_body(500, message, code="engine_error"))
 
 
-def _refused_params(e: ValueError) -> APIError:
-    """The 400 for a request that SamplingParams or the engine's input checks refused. Only a
-    bad ``logit_bias`` map gets a ``param``; the other refusals that reach here (a prompt
-    too long, min_tokens above max_tokens, ...) keep ``param`` empty."""
-    message = str(e)
-    return bad_request(message, "logit_bias" if "logit_bias" in message else None)
+def _refused_params(e: ValueError, names: Optional[dict[str, str]] = None) -> APIError:
+    """The 400 for a request that SamplingParams or the engine's input checks refused, with
+    the ``param`` the refusal names (a ``ParamError``), as the request calls it (``names``)."""
+    param = e.param if isinstance(e, ParamError) else None
+    return bad_request(str(e), (names or {}).get(param, param) if param is not None else None)
 
 
 def created() -> int:

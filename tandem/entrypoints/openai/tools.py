@@ -26,6 +26,11 @@ from tandem.sampling_params import StructuredOutputsParams
 _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
+def template_tools(tools: list[ChatTool]) -> list[dict[str, Any]]:
+    """The tools as chat templates read them: OpenAI's JSON shape, unset fields left out."""
+    return [t.model_dump(exclude_none=True, by_alias=True) for t in tools]
+
+
 class ToolPlan:
     """One request's decisions about tools, made before it runs."""
 
@@ -54,8 +59,7 @@ class ToolPlan:
                               '--tool-call-parser', "tool_choice")
         self.auto_parser = auto_parser if choice == "auto" else None
         self.one_call = req.parallel_tool_calls is False
-        self.template_tools = [t.model_dump(exclude_none=True, by_alias=True) for t in tools] \
-            if choice != "none" else None
+        self.template_tools = template_tools(tools) if choice != "none" else None
 
     @staticmethod
     def _parameters(i: int, tool: ChatTool) -> dict[str, Any]:

@@ -1,0 +1,305 @@
+"""Serving at engine speed, on the GPU: ``tandem serve`` against offline ``LLM.generate`` of
+the same engine config, in one run.
+
+The model is random bf16 weights with a real shape (``--shape``), built on the device. Both
+sides use the same engine flags (``max_num_seqs`` 256, ``max_num_batched_tokens`` 8192,
+prefix caching off), token-id prompts of ``--input-len`` random tokens and
+``--output-len`` greedy output tokens with ``ignore_eos``, fresh prompts every round.
+
+* offline: ``LLM.generate`` of 256 requests, an untimed round first, median of
+  ``--offline-rounds``; then the same with the engine's default ``max_num_seqs`` /
+  ``max_num_batched_tokens`` (the device defaults), one round after a warm-up;
+* served: for each ``--api-server-counts`` entry, a real ``tandem serve`` process driven by
+  ``--clients`` ``tandem bench serve`` processes side by side (one Python client cannot
+  parse tens of thousands of SSE chunks a second), ``--num-prompts`` requests in all at
+  ``--concurrency`` streams in all, after a warm-up round; the CPU share of every server
+  process (launcher, API servers, engine core) is sampled each second with psutil.
+
+Output tokens/s of a served run is all clients' output tokens over the wall time from the
+first client's start to the last client's end. Prints a table; writes JSON (``--out``).
+
+    python benchmarks/gpu_serve.py --shape qwen2.5-0.5b --api-server-counts 1,auto,2,4 --out serve.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bench import SHAPES, build_model, free_cuda, log  # noqa: E402
+
+SHAPES = {**SHAPES, "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                        tie_word_embeddings=False, rope_theta=1e6)}
+ENGINE = dict(max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False, max_model_len=2048,
+              gpu_memory_utilization=0.85)
+VOCAB_FOR_PROMPTS = 1000  # the benchmark tokenizer's words t0..t999 (any id below the model's vocabulary works)
+
+
+def prompts_of(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, VOCAB_FOR_PROMPTS) for _ in range(length)] for _ in range(n)]
+
+
+# -- offline -----------------------------------------------------------------------------
+def offline(folder: str, args: argparse.Namespace, engine: dict[str, Any], rounds: int) -> dict[str, Any]:
+    from tandem import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    with LLM(folder, **engine) as llm:
+        llm.generate(prompts_of(256, args.input_len, 999), sp, use_tqdm=False)  # untimed: compile, warm
+        runs = []
+        for r in range(rounds):
+            prompts = prompts_of(256, args.input_len, 1000 + r)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            runs.append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
+            log(f"offline {engine.get('max_num_seqs', 'default')}: round {r + 1} {runs[-1]:.0f} tok/s")
+        resolved = {k: getattr(llm.engine.model_config, k) for k in ("max_num_seqs", "max_num_batched_tokens")}
+    del llm
+    free_cuda()
+    left = torch_reserved_gib()
+    if left > 1.0:  # the served runs that follow would get a smaller KV cache than the offline one
+        log(f"warning: {left:.1f} GiB of device memory still reserved after the offline engine shut down")
+    return {"tok_per_s": statistics.median(runs), "rounds": runs, "engine": engine, "resolved": resolved}
+
+
+def torch_reserved_gib() -> float:
+    import torch
+
+    return torch.cuda.memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+# -- served ------------------------------------------------------------------------------
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(folder: str, count: str, log_path: str) -> tuple[subprocess.Popen, int]:
+    import httpx
+
+    port = free_port()
+    flags = [f"--{k.replace('_', '-')}" if v is True else f"--no-{k.replace('_', '-')}" if v is False
+             else f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
+    cmd = [sys.executable, "-m", "tandem.entrypoints.openai", folder, "--port", str(port),
+           "--api-server-count", count, *flags]
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{Path(log_path).read_text()[-3000:]}")
+        if "tandem: serving" in Path(log_path).read_text():
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    return proc, port
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not start within 600 s")
+
+
+def server_processes(launcher: int) -> dict[str, Any]:
+    import psutil
+
+    root = psutil.Process(launcher)
+    procs: dict[str, Any] = {"launcher": root}
+    n = 0
+    for p in root.children(recursive=True):
+        cmd = " ".join(p.cmdline())
+        if "core_process" in cmd:
+            procs["engine_core"] = p
+        elif "server_process" in cmd:
+            n += 1
+            procs[f"api_server_{n}"] = p
+        elif "worker_process" in cmd:
+            procs[f"worker_{p.pid}"] = p
+    return procs
+
+
+class CpuSampler:
+    """CPU % of each process, sampled every second while running."""
+
+    def __init__(self, procs: dict[str, Any]) -> None:
+        self.procs = procs
+        self.samples: dict[str, list[float]] = {k: [] for k in procs}
+        self._stop = threading.Event()
+        for p in procs.values():
+            p.cpu_percent(None)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            for k, p in self.procs.items():
+                try:
+                    self.samples[k].append(p.cpu_percent(None))
+                except Exception:
+                    pass
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join()
+        return {k: {"mean": statistics.mean(v) if v else None, "max": max(v) if v else None}
+                for k, v in self.samples.items()}
+
+
+def run_clients(port: int, args: argparse.Namespace, num_prompts: int, seed: int, tmp: str) -> dict[str, Any]:
+    """``--clients`` ``tandem bench serve`` processes at once; their results summed."""
+    k = args.clients
+    procs, files = [], []
+    t0 = time.time()
+    for i in range(k):
+        out = os.path.join(tmp, f"client-{seed}-{i}.json")
+        files.append(out)
+        cmd = [sys.executable, "-m", "tandem.entrypoints.cli", "bench", "serve", "--port", str(port),
+               "--num-prompts", str(num_prompts // k), "--max-concurrency", str(args.concurrency // k),
+               "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+               "--random-vocab-size", str(VOCAB_FOR_PROMPTS), "--seed", str(seed * 100 + i), "--ignore-eos",
+               "--temperature", "0", "--no-warmup", "--disable-tqdm", "--save-result", "--result-dir", tmp,
+               "--result-filename", os.path.basename(out)]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    errs = [p.communicate(timeout=1200)[1].decode(errors="replace") for p in procs]
+    wall = time.time() - t0
+    results = []
+    for f, err in zip(files, errs):
+        if not os.path.exists(f):
+            raise RuntimeError(f"a bench client wrote no result:\n{err[-2000:]}")
+        results.append(json.loads(Path(f).read_text()))
+    metrics = [r["metrics"] for r in results]
+    out_tokens = sum(m["total_output_tokens"] for m in metrics)
+    duration = max(m["duration_s"] for m in metrics)
+
+    def mean_of(key: str) -> float:
+        n = sum(m[key]["count"] for m in metrics)
+        return sum(m[key]["mean"] * m[key]["count"] for m in metrics) / n if n else 0.0
+
+    return {"output_tok_per_s": out_tokens / duration, "output_tokens": out_tokens, "duration_s": duration,
+            "wall_s_with_client_start": wall, "failed": sum(m["failed"] for m in metrics),
+            "completed": sum(m["completed"] for m in metrics), "mean_ttft_ms": mean_of("ttft_ms"),
+            "mean_tpot_ms": mean_of("tpot_ms"), "p99_ttft_ms": max(m["ttft_ms"]["p99"] for m in metrics)}
+
+
+def served(folder: str, count: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
+    log_path = os.path.join(tmp, f"server-{count}.log")
+    t0 = time.perf_counter()
+    proc, port = start_server(folder, count, log_path)
+    res: dict[str, Any] = {"api_server_count": count, "start_s": time.perf_counter() - t0}
+    try:
+        procs = server_processes(proc.pid)
+        res["processes"] = sorted(procs)
+        res["rss_mib"] = {k: p.memory_info().rss / 2**20 for k, p in procs.items()}
+        run_clients(port, args, max(args.clients * 8, 256), 1, tmp)  # warm-up round
+        sampler = CpuSampler(procs)
+        res.update(run_clients(port, args, args.num_prompts, 2, tmp))
+        res["cpu_percent"] = sampler.stop()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            res["exit_code"] = proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            res["exit_code"] = "killed"
+        res["log_tail"] = Path(log_path).read_text()[-1500:]
+    log(f"serve --api-server-count {count}: {res['output_tok_per_s']:.0f} tok/s, TTFT {res['mean_ttft_ms']:.0f} ms, "
+        f"TPOT {res['mean_tpot_ms']:.2f} ms, failed {res['failed']}, cpu {json.dumps(res['cpu_percent'])}")
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    p.add_argument("--api-server-counts", default="1,auto,2,4")
+    p.add_argument("--num-prompts", type=int, default=2048)
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--offline-rounds", type=int, default=3)
+    p.add_argument("--skip-default-config", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, few requests: checks this script")
+    args = p.parse_args()
+    logging_quiet()
+    if args.smoke:
+        smoke_setup(args)
+
+    result: dict[str, Any] = {"args": vars(args), "shape": SHAPES[args.shape], "engine": ENGINE}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_model(os.path.join(tmp, "model"), SHAPES[args.shape])
+        result["offline_tuned"] = offline(folder, args, ENGINE, args.offline_rounds)
+        if not args.skip_default_config:
+            default = {k: v for k, v in ENGINE.items() if k not in ("max_num_seqs", "max_num_batched_tokens")}
+            result["offline_default"] = offline(folder, args, default, args.offline_rounds)
+        result["served"] = []
+        for count in args.api_server_counts.split(","):
+            try:
+                result["served"].append(served(folder, count, args, tmp))
+            except Exception as e:
+                result["served"].append({"api_server_count": count, "error": f"{type(e).__name__}: {e}"[:3000]})
+                log(f"serve {count}: {result['served'][-1]['error']}")
+            if args.out:
+                Path(args.out).write_text(json.dumps(result, indent=2))
+    offline_tps = result["offline_tuned"]["tok_per_s"]
+    print_table(result, offline_tps)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def smoke_setup(args: argparse.Namespace) -> None:
+    """Tiny shapes and counts so the whole script runs on a CPU in a minute or two."""
+    import gpu_bench
+
+    SHAPES["smoke"] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True)
+    args.shape, args.num_prompts, args.concurrency, args.clients = "smoke", 64, 16, 2
+    args.input_len, args.output_len, args.offline_rounds = 16, 16, 1
+    ENGINE.update(max_num_seqs=16, max_model_len=256, num_kv_blocks=256)
+    ENGINE.pop("gpu_memory_utilization")
+    globals()["build_model"] = lambda folder, shape: gpu_bench.build_model(folder, shape, device="cpu")
+    globals()["free_cuda"] = lambda: None
+
+
+def logging_quiet() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+
+
+def print_table(result: dict[str, Any], offline_tps: float) -> None:
+    print(f"\noffline (tuned): {offline_tps:.0f} tok/s {result['offline_tuned']['rounds']}")
+    if "offline_default" in result:
+        d = result["offline_default"]
+        print(f"offline (device defaults {d['resolved']}): {d['tok_per_s']:.0f} tok/s = "
+              f"{d['tok_per_s'] / offline_tps:.3f}x tuned")
+    print("| api servers | tok/s | / offline | TTFT ms | TPOT ms | failed | CPU% (mean) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in result["served"]:
+        if "error" in r:
+            print(f"| {r['api_server_count']} | error: {r['error'][:200]} |")
+            continue
+        cpu = ", ".join(f"{k} {v['mean']:.0f}" for k, v in r["cpu_percent"].items()
+                        if v["mean"] is not None and not k.startswith("worker"))
+        print(f"| {r['api_server_count']} | {r['output_tok_per_s']:.0f} | {r['output_tok_per_s'] / offline_tps:.3f} | "
+              f"{r['mean_ttft_ms']:.0f} | {r['mean_tpot_ms']:.2f} | {r['failed']} | {cpu} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
