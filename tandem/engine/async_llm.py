@@ -69,6 +69,17 @@ class RequestStream:
         self._changed = False
         self._event.set()
 
+    async def ready(self) -> Optional[RequestOutput]:
+        """Wait for the next output without taking it (iterating still yields it next); None
+        if the stream ended first. A server waits so for a constrained request's first output,
+        which tells whether its grammar compiled, before it answers a streaming request 200."""
+        while self._final is None and not self._changed:
+            if self.finished or self._closed:
+                return None
+            self._event.clear()
+            await self._event.wait()
+        return self._final if self._final is not None else self._build()
+
     def __aiter__(self) -> "RequestStream":
         return self
 

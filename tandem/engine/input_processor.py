@@ -86,20 +86,21 @@ class InputProcessor:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             chat_template: Optional[str] = None, *, continue_final_message: bool = False,
                             add_special_tokens: bool = False, documents: Optional[list[dict[str, str]]] = None,
+                            tools: Optional[list[dict[str, Any]]] = None,
                             template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
         """Token ids of a conversation, through the tokenizer's template (or ``chat_template``).
 
         ``continue_final_message``: the prompt ends inside the last message (no end-of-turn,
         no generation prompt), so the model continues it. ``add_special_tokens``: tokens such
         as BOS are added on top of what the template writes (templates usually write them).
-        ``documents`` and ``template_kwargs`` become variables of the template, which may use
-        or ignore them."""
+        ``tools`` (OpenAI's function definitions), ``documents`` and ``template_kwargs`` become
+        variables of the template, which may use or ignore them."""
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; give one (--chat-template) "
                              "or send plain prompts")
         text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            documents=documents, tokenize=False, chat_template=chat_template, **(template_kwargs or {}))
+            tools=tools, documents=documents, tokenize=False, chat_template=chat_template, **(template_kwargs or {}))
         return self.tokenize(text, add_special_tokens=add_special_tokens)
 
     def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> ProcessedRequest:

@@ -144,8 +144,12 @@ class KVCacheManager:
             hashes.append(hash_block(parent, tokens[j * bs:(j + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of the request, in blocks, leaving >= 1 token to compute."""
-        if not self.enable_prefix_caching:
+        """Longest cached prefix of the request, in blocks, leaving >= 1 token to compute.
+
+        A request that wants prompt logprobs gets no hit: the logprobs of a prompt position
+        come from the forward over it, which a cached prefix would skip. Its own blocks are
+        still published for later requests (their KV is the same)."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self._update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

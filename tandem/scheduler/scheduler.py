@@ -354,9 +354,16 @@ class Scheduler:
             else:
                 self.kv.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
 
+        starts = {sr.req_id: sr.num_computed_tokens for sr in sched.requests} if result.prompt_logprobs else {}
         for rid, plps in result.prompt_logprobs.items():
             req = step_reqs[rid]
             if req.is_finished and rid not in outputs:
+                continue
+            # The chunk covers positions start..; after a preemption it repeats some already sent.
+            start, sent = starts[rid], req.num_prompt_logprobs_sent
+            req.num_prompt_logprobs_sent = max(sent, start + len(plps))
+            plps = plps[max(0, sent - start):]
+            if not plps:
                 continue
             plp_out = outputs.get(rid)
             if plp_out is None:

@@ -65,6 +65,9 @@ class Request:
         self.num_inflight_steps = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first scheduling
         self.num_preemptions = 0
+        # Prompt positions whose logprobs were reported: a request resumed after preemption
+        # recomputes its prompt, and those positions must not be reported twice.
+        self.num_prompt_logprobs_sent = 0
         self.block_hashes: list[int] = []
         # Structured outputs: the compiled constraint and its matcher state, advanced by every
         # received token (never by placeholders). Set by the engine core when the request

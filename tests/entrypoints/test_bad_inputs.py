@@ -64,6 +64,7 @@ def http_case(what: str, must: str, path: str, body: dict[str, Any], param: Opti
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "t5"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 LONG = " ".join(["t5"] * 10)
 CASES = [
     # -- prompts ---------------------------------------------------------------------------------
@@ -304,6 +305,40 @@ CASES = [
               {"messages": MSG, "metadata": {"run": 1}}, "metadata.run"),
     http_case("stream_interval 0", "greater than or equal to 1", C, {"prompt": "t5", "stream_interval": 0},
               "stream_interval"),
+    # -- the server: tools, output constraints, log-likelihoods (issue 18) --
+    http_case("tool_choice without tools", "tool_choice needs tools", CHAT,
+              {"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+    http_case("tool_choice naming a function that is not among the tools", "which is not among the tools", CHAT,
+              {"messages": MSG, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+              "tool_choice"),
+    http_case("a tool whose parameters are not a valid JSON schema", "invalid JSON schema", CHAT,
+              {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+               "tool_choice": "required"}, "tools[0].function.parameters"),
+    http_case('tool_choice "auto" on a server without --enable-auto-tool-choice', "--enable-auto-tool-choice", CHAT,
+              {"messages": MSG, "tools": TOOLS}, "tool_choice"),
+    http_case('tool_choice "required" with response_format', "constrains the output already", CHAT,
+              {"messages": MSG, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+              "response_format"),
+    http_case("the deprecated functions", "give tools instead", CHAT,
+              {"messages": MSG, "functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+    http_case("tools on /v1/completions", "tool calling is on /v1/chat/completions", C,
+              {"prompt": "t5", "tools": TOOLS}, "tools"),
+    http_case("response_format with an invalid JSON schema", "invalid JSON schema", CHAT,
+              {"messages": MSG, "response_format": {"type": "json_schema",
+                                                    "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+              "response_format.json_schema.schema"),
+    http_case("a regex that does not compile", "does not compile", C,
+              {"prompt": "t5", "structured_outputs": {"regex": "t[5"}}, "structured_outputs"),
+    http_case("a regex that does not compile, streamed (refused before the 200)", "does not compile", CHAT,
+              {"messages": MSG, "structured_outputs": {"regex": "t[5"}, "stream": True}, "structured_outputs"),
+    http_case("two output constraints", "at most one output constraint", C,
+              {"prompt": "t5", "structured_outputs": {"regex": "t5"}, "guided_choice": ["t6"]}, "guided_choice"),
+    http_case("max_tokens 0 without echo", "0 is allowed only with echo", C, {"prompt": "t5", "max_tokens": 0},
+              "max_tokens"),
+    http_case("prompt_logprobs with stream", "not available when stream is true", C,
+              {"prompt": "t5", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    http_case("echo on chat completions", "echo is on /v1/completions", CHAT, {"messages": MSG, "echo": True},
+              "echo"),
     api_case('llm.generate(["t5"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(t2")))',
              "the regex does not compile"),
     api_case('llm.generate(["t5", "t6"], [SamplingParams(), SamplingParams(structured_outputs={"grammar": "x"})])',

@@ -33,3 +33,13 @@ def slow_model(tiny_factory) -> str:
     """Wide enough that a 450-token request takes seconds: time to disconnect or kill mid-request."""
     return tiny_factory("llama", hidden_size=512, intermediate_size=2048, num_hidden_layers=6,
                         num_attention_heads=8, num_key_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    """The reference for the shared server: the same model and cache shape, offline and in process."""
+    from tandem import LLM
+
+    llm = LLM(tiny_llama, max_model_len=512, num_kv_blocks=512, block_size=16)
+    yield llm
+    llm.shutdown()

@@ -17,14 +17,6 @@ PROMPTS = ["t5 t6 t7", "t9 t20 t21 t22 t23", "t40", "t7 t7 t7 t8 t99 t30 t3"]
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_llama):
-    """The reference: the same model and cache shape, offline and in process."""
-    llm = LLM(tiny_llama, max_model_len=512, num_kv_blocks=512, block_size=16)
-    yield llm
-    llm.shutdown()
-
-
-@pytest.fixture(scope="module")
 def model(client) -> str:
     return client.models.list().data[0].id
 

@@ -22,6 +22,7 @@ def serve(*args: str) -> subprocess.CompletedProcess:
     (["--block-size", "3"], "block_size"),
     (["--max-num-seqs", "-1"], "max_num_seqs"),
     (["--chat-template", "/no/such/template.jinja"], "No such file"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"),
 ])
 def test_mistakes_exit_2_with_one_line(args, words, tiny_llama):
     model = [] if args[0].startswith("/") else [tiny_llama]

@@ -36,6 +36,7 @@ from tandem.entrypoints.openai.protocol import (ChatCompletionRequest, Completio
                                                 TokenizeRequest, refuse_unsupported)
 from tandem.entrypoints.openai.serving import ServerSettings
 from tandem.entrypoints.openai.tokenizer_info import tokenizer_info
+from tandem.entrypoints.openai.tools import template_tools
 
 logger = logging.getLogger(__name__)
 
@@ -186,8 +187,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, stat_logger: Prometheu
         completions.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+        if req.tools and req.messages is None:
+            raise bad_request("tools reach the chat template: give them with 'messages'", "tools")
         if req.messages is not None:
-            ids = chat.prompt_ids(req, req.messages)
+            ids = chat.prompt_ids(req, req.messages, template_tools(req.tools) if req.tools else None)
         else:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
             ids = engine.tokenize(req.prompt or "", add_special_tokens=add_special)

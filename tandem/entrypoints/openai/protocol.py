@@ -4,16 +4,19 @@ Strict means a wrong type is refused rather than coerced (``"1"`` is not an int,
 not a number), and a field that neither OpenAI nor vLLM defines is refused by name rather
 than ignored, so a typo never passes silently. The fields they define fall in three groups:
 
-- implemented (sampling settings, ``chat_template_kwargs``, ``continue_final_message``...);
+- implemented (sampling settings, ``response_format``, ``tools``, ``echo``,
+  ``chat_template_kwargs``, ``continue_final_message``...);
 - ignored, because they change nothing tandem generates (``store``, ``metadata``,
   ``service_tier``, ``request_id``...): accepted, type-checked, and logged with a warning the
   first time each one is seen in the process (``IGNORED``);
-- refused, because honouring them would change the output and tandem cannot (tools, response
-  formats, beam search, ``suffix``...): a 400 with a sentence saying why, before validation,
-  unless the value asks for nothing (null, ``echo: false``, ``n: null``...), which is dropped.
+- refused, because honouring them would change the output and tandem cannot (beam search,
+  ``suffix``, ``best_of``, the deprecated ``functions``...): a 400 with a sentence saying why,
+  before validation, unless the value asks for nothing (null, ``best_of: 1``, ``n: null``...),
+  which is dropped.
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, ClassVar, Literal, Optional
 
@@ -26,9 +29,7 @@ logger = logging.getLogger(__name__)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 # Fields OpenAI (or vLLM) accepts that this server refuses, with the values that are harmless.
-_UNSUPPORTED_COMMON = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-                       "response_format", "prediction", "audio", "modalities",
-                       "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+_UNSUPPORTED_COMMON = ("functions", "function_call", "prediction", "audio", "modalities")
 # vLLM's extensions that tandem does not implement (and OpenAI's newer chat fields).
 _UNSUPPORTED_VLLM = ("use_beam_search", "length_penalty", "watermarking", "truncate_prompt_tokens",
                      "allowed_token_ids", "logprob_token_ids", "bad_words", "priority", "cache_salt",
@@ -41,24 +42,22 @@ _HARMLESS: dict[str, tuple[Any, ...]] = {
     "return_prompt_text": (False,), "media_io_kwargs": ({},), "mm_processor_kwargs": ({},),
 }
 UNSUPPORTED = {
-    "completions": _UNSUPPORTED_COMMON + ("suffix", "echo", "best_of") + _UNSUPPORTED_VLLM + ("prompt_embeds",),
+    "completions": _UNSUPPORTED_COMMON + ("suffix", "best_of", "tools", "tool_choice", "parallel_tool_calls")
+    + _UNSUPPORTED_VLLM + ("prompt_embeds",),
     "chat": _UNSUPPORTED_COMMON + ("echo",) + _UNSUPPORTED_VLLM + (
         "chat_template", "media_io_kwargs", "mm_processor_kwargs", "return_prompt_text", "verbosity",
         "web_search_options"),
 }
 # Why each refused field is refused (the 400's message and docs/bad-inputs.md).
 WHY_UNSUPPORTED: dict[str, str] = {
-    "tools": "tool calling is not implemented", "tool_choice": "tool calling is not implemented",
-    "functions": "function calling is not implemented", "function_call": "function calling is not implemented",
-    "parallel_tool_calls": "tool calling is not implemented",
-    "response_format": "constrained decoding is not implemented",
-    "structured_outputs": "constrained decoding is not implemented",
-    "guided_json": "constrained decoding is not implemented", "guided_regex": "constrained decoding is not implemented",
-    "guided_choice": "constrained decoding is not implemented",
-    "guided_grammar": "constrained decoding is not implemented",
+    "tools": "tool calling is on /v1/chat/completions", "tool_choice": "tool calling is on /v1/chat/completions",
+    "parallel_tool_calls": "tool calling is on /v1/chat/completions",
+    "functions": "the deprecated function calling is not implemented; give tools instead",
+    "function_call": "the deprecated function calling is not implemented; give tool_choice instead",
     "prediction": "predicted outputs are not implemented", "audio": "this server generates text only",
     "modalities": "this server generates text only (modalities [\"text\"] is accepted)",
-    "suffix": "fill-in-the-middle is not implemented", "echo": "echoing the prompt is not implemented",
+    "suffix": "fill-in-the-middle is not implemented",
+    "echo": "echo is on /v1/completions (the prompt and, with logprobs, its logprobs)",
     "best_of": "best-of sampling is not implemented; n gives several choices",
     "use_beam_search": "beam search is not implemented", "length_penalty": "beam search is not implemented",
     "watermarking": "watermarking is not implemented",
@@ -129,6 +128,49 @@ class _WarnsIgnored(_Strict):
         return self
 
 
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")  # ("schema" is a BaseModel method)
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError('type "json_schema" needs json_schema: {"name": ..., "schema": {...}}')
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f'json_schema is only allowed with type "json_schema", not {self.type!r}')
+        return self
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments object
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class StreamOptions(_WarnsIgnored):
     IGNORED = {"include_obfuscation": "chunks are never padded"}
 
@@ -189,7 +231,18 @@ class _SamplingRequest(_WarnsIgnored):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # vLLM's extension: the logprobs of each prompt token (and its top-k), in vLLM's shape.
+    prompt_logprobs: Optional[int] = Field(None, ge=0)
     user: Optional[str] = None  # an end-user id: accepted, as OpenAI does, and only logged
+    # Constrained output (tandem/entrypoints/openai/structured.py): OpenAI's response_format,
+    # vLLM's structured_outputs ({json | regex | choice | grammar | json_object}, checked as
+    # SamplingParams' StructuredOutputsParams) and vLLM's older guided_* fields, as aliases.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[dict[str, Any] | str] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
     # Accepted and ignored (IGNORED says why).
     request_id: Optional[str] = None
     session_id: Optional[str] = None
@@ -221,6 +274,8 @@ class CompletionRequest(_SamplingRequest):
     # A text, a list of texts, a list of token ids, or a list of lists of token ids; checked
     # by hand because pydantic's union errors would list every member's complaint.
     prompt: Any
+    # 0 only with echo: the prompt's logprobs without a completion (checked by the endpoint).
+    max_tokens: Optional[int] = Field(None, ge=0)
     logprobs: Optional[int] = Field(None, ge=0)
     echo: bool = False
     suffix: Optional[str] = None
@@ -255,10 +310,43 @@ class TextPart(_WarnsIgnored):
     cache_control: Optional[dict[str, Any]] = None  # Anthropic-style caching hint (LiteLLM sends it)
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """A tool call of an earlier assistant turn, replayed in ``messages``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    """One message of a conversation: OpenAI's roles, with ``developer`` read as ``system``,
+    ``tool`` results answering a ``tool_call_id``, and assistant turns that called tools
+    (``tool_calls``, with ``content`` null or empty)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[str | list[TextPart]] = Field(...)  # required, but null is allowed (checked below)
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+    # Fields of an OpenAI response message, so that one can be sent back as it came: accepted
+    # while they carry nothing (null, or no annotations), refused otherwise (nothing renders them).
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: Optional[list[Any]] = Field(None, max_length=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_call_turn_may_omit_content(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "content" not in data and data.get("role") == "assistant" \
+                and data.get("tool_calls"):
+            return {**data, "content": None}
+        return data
 
     @field_validator("content", mode="before")
     @classmethod
@@ -268,16 +356,49 @@ class ChatMessage(_Strict):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind != "text":
                     raise ValueError(f"only text content parts are supported, got a part of type {kind!r}")
-        elif not isinstance(v, str):
+        elif v is not None and not isinstance(v, str):
             raise ValueError("content must be a string or a list of text parts")
         return v
 
-    def as_template_dict(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        msg = {"role": self.role, "content": text}
+    @model_validator(mode="after")
+    def _role_fields(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role} messages")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content must be a string or a list of text parts (null only for an assistant "
+                             "message with tool_calls)")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"only tool messages carry a tool_call_id, not {self.role} messages")
+        return self
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as HF chat templates read it: text content (``""`` for none), ``developer``
+        as ``system``, and tool-call arguments as objects (templates render them with
+        ``tojson``; a text that is not a JSON object stays text)."""
+        if self.content is None:
+            text = ""
+        else:
+            text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in self.tool_calls]
         return msg
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 # apply_chat_template's own arguments: chat_template_kwargs may not set them.
@@ -318,6 +439,9 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Literal["none", "auto", "required"] | NamedToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None  # false: tool_choice "required" makes exactly one call
     # Accepted and ignored (IGNORED says why).
     store: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
@@ -326,11 +450,20 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
     safety_identifier: Optional[str] = None
     include_reasoning: Optional[bool] = None
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        if v is None or v in ("none", "auto", "required") or isinstance(v, dict):
+            return v
+        raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                         '{"name": ...}}')
+
 
 class TokenizeRequest(ChatTemplateFields):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
+    tools: Optional[list[ChatTool]] = None  # with messages: offered to the template, as chat does
     add_special_tokens: Optional[bool] = None  # default: true for a prompt, false for messages
 
 

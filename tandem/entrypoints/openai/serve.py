@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Optional
 
 from tandem.config import EngineConfig
 from tandem.engine.async_llm import DEFAULT_HANG_TIMEOUT_S
+from tandem.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from tandem.engine.core_client import CoreProcess
@@ -87,6 +88,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $TANDEM_API_KEY, else none)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use in 'model' (default: the model argument)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let tool_choice "auto" (the default when a request gives tools) parse tool calls out '
+                        "of the model's text with --tool-call-parser; without it, \"auto\" is refused")
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen 2.5) "
+                        "or llama3_json (Llama 3.1/3.2 JSON)")
     g.add_argument("--chat-template", default=None,
                    help="file with a Jinja chat template to use instead of the tokenizer's")
     g.add_argument("--max-n", type=int, default=16, help="largest 'n' (choices per prompt) a request may ask for")
@@ -176,13 +183,17 @@ def _settings_from_args(args: argparse.Namespace) -> tuple[EngineConfig, "Server
     config = EngineConfig.from_cli_args(args)
     count = parse_api_server_count(args.api_server_count)
     chat_template = _read_template(args.chat_template)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (" + " or ".join(sorted(TOOL_PARSERS))
+                         + ")")
     for flag in ("max_n", "max_prompts", "max_request_body_bytes"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     settings = ServerSettings(served_model_names=names, api_key=args.api_key or os.environ.get("TANDEM_API_KEY"),
                               max_n=args.max_n, max_prompts=args.max_prompts,
-                              max_body_bytes=args.max_request_body_bytes, chat_template=chat_template)
+                              max_body_bytes=args.max_request_body_bytes, chat_template=chat_template,
+                              tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     return config, settings, count
 
 

@@ -26,6 +26,7 @@ from tandem.entrypoints.openai.errors import APIError, bad_request, error_body
 from tandem.entrypoints.openai.protocol import StreamOptions, _SamplingRequest
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
+from tandem.types.engine_output import INVALID_REQUEST
 from tandem.validation import ParamError
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class ServerSettings:
     max_prompts: int = 64  # most prompts in one completion request
     max_body_bytes: int = 4 << 20
     chat_template: Optional[str] = None
+    # --enable-auto-tool-choice --tool-call-parser NAME: tool_choice "auto" parses calls with NAME.
+    tool_call_parser: Optional[str] = None
 
 
 _JSON = msgspec.json.Encoder()
@@ -51,9 +54,9 @@ def sse(data: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
-# A streamed choice's JSON from (choice index, output, new text, first new token, end token,
-# characters of text sent before this chunk).
-ChoiceBuilder = Callable[[int, CompletionOutput, str, int, int, int], dict[str, Any]]
+# A streamed choice's JSON from (its prompt's output, choice index, output, new text, first new
+# token, end token, characters of text sent before this chunk); None when it has nothing to send.
+ChoiceBuilder = Callable[[RequestOutput, int, CompletionOutput, str, int, int, int], Optional[dict[str, Any]]]
 UNFINISHED = "the request was aborted before it finished (the server is shutting down)"
 
 
@@ -121,8 +124,11 @@ class OpenAIServing:
                               param, "context_length_exceeded") from None
 
     @staticmethod
-    def sampling_params(req: _SamplingRequest, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+    def sampling_params(req: _SamplingRequest, max_tokens: Optional[int], logprobs: Optional[int],
+                        **extra: Any) -> SamplingParams:
+        """The request's sampling settings; ``extra`` adds endpoint-specific ones (prompt_logprobs, ...)."""
         kw: dict[str, Any] = dict(
+            **extra,
             n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed, ignore_eos=req.ignore_eos,
             stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             stop_token_ids=list(req.stop_token_ids or []), logprobs=logprobs,
@@ -161,18 +167,24 @@ class OpenAIServing:
             if not s.finished:
                 self.engine.abort(s.request_id)
 
-    async def collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput] | Response:
-        """Every request's final output, or the response to send instead: 499 (and everything
-        aborted) if the client left first, 500 with the engine's message if a request failed."""
-        async def last(stream: RequestStream) -> RequestOutput:
+    async def collect(self, request: Request, streams: list[RequestStream], invalid_param: Optional[str] = None,
+                      first: bool = False) -> list[RequestOutput] | Response:
+        """Every request's final output (``first``: its first output, left to be iterated
+        again), or the response to send instead: 499 (and everything aborted) if the client
+        left first, 400 if a request was refused in the engine core (a constraint that does
+        not compile, named ``invalid_param``), 500 with the engine's message if one failed."""
+        async def wait(stream: RequestStream) -> RequestOutput:
             out: Optional[RequestOutput] = None
-            async for out in stream:
-                pass
-            if out is None or not out.finished:
+            if first:
+                out = await stream.ready()
+            else:
+                async for out in stream:
+                    pass
+            if out is None or not (first or out.finished):
                 raise APIError(503, UNFINISHED, code="aborted")
             return out
 
-        results = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+        results = asyncio.ensure_future(asyncio.gather(*(wait(s) for s in streams)))
         gone = asyncio.ensure_future(wait_for_disconnect(request))
         try:
             await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -184,10 +196,22 @@ class OpenAIServing:
         if results.cancelled():
             return Response(status_code=499)  # the client is gone; nobody reads this
         outputs: list[RequestOutput] = results.result()
-        error = self._failed(outputs)
-        if error is not None:
-            return JSONResponse(error_body(500, error, code="engine_error"), status_code=500)
+        for o in outputs:
+            if o.error is not None or any(c.finish_reason == "error" for c in o.outputs):
+                self.abort(streams)
+                if o.error_kind == INVALID_REQUEST:
+                    return bad_request(o.error or "the request was refused", invalid_param).response()
+                return JSONResponse(error_body(500, o.error or "the request failed in the engine",
+                                               code="engine_error"), status_code=500)
         return outputs
+
+    async def compiled(self, request: Request, streams: list[RequestStream],
+                       param: Optional[str]) -> Optional[Response]:
+        """A constrained streaming request waits for its first output before answering 200: the
+        constraint compiled. Otherwise the response to send instead (400 naming ``param`` if it
+        did not compile; 499, 500 as for ``collect``)."""
+        first = await self.collect(request, streams, param, first=True)
+        return first if isinstance(first, Response) else None
 
     @staticmethod
     async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -243,7 +267,9 @@ class OpenAIServing:
                 offset = tracker.text_sent[index]
                 d = tracker.delta(index, c)
                 if d is not None:
-                    choices.append(choice(index, c, *d, offset))
+                    piece = choice(out, index, c, *d, offset)
+                    if piece is not None:
+                        choices.append(piece)
             if out.finished:
                 finals[i] = out
             if not choices:
@@ -281,13 +307,6 @@ class OpenAIServing:
     def stream_response(body: AsyncIterator[bytes]) -> StreamingResponse:
         return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    @staticmethod
-    def _failed(outputs: Sequence[RequestOutput]) -> Optional[str]:
-        for o in outputs:
-            if o.error is not None or any(c.finish_reason == "error" for c in o.outputs):
-                return o.error or "the request failed in the engine"
-        return None
 
     @staticmethod
     def error_event(message: str) -> bytes:
