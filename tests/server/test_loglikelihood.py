@@ -47,7 +47,9 @@ def test_echo_logprobs_are_the_prompt_logprobs_then_the_output_ones(server, want
     prompt_text = " ".join(f"t{t}" for t in IDS)
     assert c["text"] == prompt_text + want.outputs[0].text
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
-    assert r["usage"] == {"prompt_tokens": n, "completion_tokens": 3, "total_tokens": n + 3}
+    # a request that wants prompt logprobs never takes a prefix-cache hit: 0 cached tokens
+    assert r["usage"] == {"prompt_tokens": n, "completion_tokens": 3, "total_tokens": n + 3,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_lm_eval_request_shape(server, want):
