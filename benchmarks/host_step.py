@@ -17,7 +17,10 @@ that id to the sampler through a one-column "logits" tensor; the null sampler re
 
 Steady decode: the step calls that launched a full decode batch (one token for every
 request), after ``--warmup`` of them; prefill and the drain at the end are left out. The
-last line is ``host step: X ms`` (the mean over the steady steps).
+last line is ``host step: X ms``: the median steady step of a run (robust to a busy
+neighbour on a shared machine), the median over ``--repeat`` runs. Each run also prints the
+mean step and the time of the calls left out (prefill, the final step that finishes every
+request), so work moved out of the steady steps stays visible.
 """
 from __future__ import annotations
 
@@ -101,6 +104,7 @@ class StepTimer:
         self.engine = engine
         self.inner = engine.step
         self.calls: list[tuple[float, int]] = []  # (seconds, tokens scheduled by the call)
+        self.cpu: list[float] = []  # this thread's CPU seconds in each call
         self.profiler: Optional[cProfile.Profile] = None
         self.profile_after = 0
         self.profile_steps = 0
@@ -111,6 +115,7 @@ class StepTimer:
         before = stats.num_scheduled_tokens
         prof = self.profiler if self.profile_after <= len(self.calls) < self.profile_after + self.profile_steps \
             else None
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         if prof is not None:
             prof.enable()
@@ -118,14 +123,17 @@ class StepTimer:
         if prof is not None:
             prof.disable()
         self.calls.append((time.perf_counter() - t0, stats.num_scheduled_tokens - before))
+        self.cpu.append(time.thread_time() - c0)
         return out
 
-    def steady(self, batch_size: int, warmup: int) -> list[float]:
-        """Times of the calls that launched a full decode batch, less the first ``warmup``."""
-        return [t for t, n in self.calls if n == batch_size][warmup:]
+    def steady(self, batch_size: int, warmup: int) -> tuple[list[float], list[float]]:
+        """Wall and CPU times of the calls that launched a full decode batch, less the first ``warmup``."""
+        keep = [i for i, (_, n) in enumerate(self.calls) if n == batch_size][warmup:]
+        return [self.calls[i][0] for i in keep], [self.cpu[i] for i in keep]
 
 
-def run(args: argparse.Namespace, profile: bool) -> tuple[list[float], Optional[cProfile.Profile], list[Any]]:
+def run(args: argparse.Namespace, profile: bool
+        ) -> tuple[tuple[list[float], list[float]], float, float, Optional[cProfile.Profile], list[Any]]:
     from tandem import LLM, SamplingParams
 
     bs = args.batch_size
@@ -139,6 +147,7 @@ def run(args: argparse.Namespace, profile: bool) -> tuple[list[float], Optional[
     llm.generate(_prompts(4, args.input_len, args.seed + 1), SamplingParams(max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
     timer.calls.clear()
+    timer.cpu.clear()
     if profile:
         timer.profiler = cProfile.Profile()
         timer.profile_after = -1  # set below, once prefill is known to be over
@@ -147,9 +156,12 @@ def run(args: argparse.Namespace, profile: bool) -> tuple[list[float], Optional[
         # Profile the step calls well inside steady decode: prefill takes a few calls.
         timer.profile_after = -(-bs * args.input_len // max(2048, args.prefill_chunk)) + 2 + args.warmup
         timer.profile_steps = max(1, args.output_len - 2 * timer.profile_after - 4)
+    t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
+    total = time.perf_counter() - t0
     llm.shutdown()
-    return timer.steady(bs, args.warmup), timer.profiler, outs
+    other = sum(t for t, n in timer.calls if n != bs)
+    return timer.steady(bs, args.warmup), total, other, timer.profiler, outs
 
 
 def main() -> int:
@@ -166,15 +178,16 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    means = []
+    medians = []
     for r in range(args.repeat):
-        times, prof, outs = run(args, profile=args.profile and r == 0)
+        (times, cpu), total, other, prof, outs = run(args, profile=args.profile and r == 0)
         assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
         ms = [t * 1e3 for t in times]
-        mean = statistics.fmean(ms)
-        means.append(mean)
-        print(f"run {r}: {len(ms)} steady decode steps, mean {mean:.3f} ms, median {statistics.median(ms):.3f} ms, "
-              f"p90 {sorted(ms)[int(0.9 * (len(ms) - 1))]:.3f} ms; text of request 0: {outs[0].outputs[0].text[:40]!r}")
+        medians.append(statistics.median(ms))
+        print(f"run {r}: {len(ms)} steady decode steps, median {medians[-1]:.3f} ms (CPU "
+              f"{statistics.median(cpu) * 1e3:.3f} ms), mean {statistics.fmean(ms):.3f} ms, "
+              f"p90 {sorted(ms)[int(0.9 * (len(ms) - 1))]:.3f} ms; generate {total * 1e3:.0f} ms, of which "
+              f"{other * 1e3:.0f} ms in prefill and final calls; text of request 0: {outs[0].outputs[0].text[:30]!r}")
         if prof is not None:
             s = io.StringIO()
             st = pstats.Stats(prof, stream=s)
@@ -182,7 +195,7 @@ def main() -> int:
             st.sort_stats("cumulative").print_stats(40)
             print(s.getvalue())
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
-    print(f"host step: {statistics.median(means):.3f} ms")
+    print(f"host step: {statistics.median(medians):.3f} ms")
     return 0
 
 
