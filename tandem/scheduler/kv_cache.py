@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
@@ -33,10 +34,8 @@ _ROOT_HASH = 0x7A6E_6465_6D00  # arbitrary parent of the first block
 
 
 def hash_block(parent: int, tokens: list[int] | tuple[int, ...]) -> int:
-    h = xxhash.xxh3_64()
-    h.update(parent.to_bytes(8, "little"))
-    h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in tokens))
-    return h.intdigest()
+    """xxh3 of the parent hash (8 bytes) and the tokens (4 bytes each), little-endian."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<Q{len(tokens)}I", parent, *tokens))
 
 
 @dataclass
