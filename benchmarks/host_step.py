@@ -8,9 +8,9 @@ into (and the next inputs gathered from) the token table, the output copy, the s
 update, the output processor and detokenization. What is left per step is the host time
 that, on a GPU, must hide behind the device step.
 
-The null model maps each input token and its position to the next token (a deterministic
-hash into the ordinary vocabulary, so detokenization decodes real text pieces) and hands
-that id to the sampler through a one-column "logits" tensor; the null sampler reads it back.
+The null model maps each input token to the next one (a fixed random permutation of the
+ordinary vocabulary, so detokenization decodes real text pieces) and hands that id to the
+sampler through a one-column "logits" tensor; the null sampler reads it back.
 
     python benchmarks/host_step.py                 # --batch-size 256, 128/128 tokens
     python benchmarks/host_step.py --profile       # where the time goes (cProfile)
@@ -53,21 +53,30 @@ _SPAN = 30000
 
 
 class NullModel(torch.nn.Module):
-    """No forward pass: the "hidden state" of a token is already its successor's id."""
+    """No forward pass: the "hidden state" of a token is already its successor's id, from a
+    fixed random permutation of the ordinary ids (one gather: the null device's whole step)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        nxt = torch.arange(vocab_size, dtype=torch.int64)
+        perm = torch.randperm(_SPAN, generator=torch.Generator().manual_seed(0)) + _FIRST_ID
+        nxt[_FIRST_ID:_FIRST_ID + _SPAN] = perm
+        nxt[:_FIRST_ID] = perm[:_FIRST_ID]  # specials and bytes lead back into ordinary ids
+        nxt[_FIRST_ID + _SPAN:] = perm[: vocab_size - _FIRST_ID - _SPAN]
+        self.next_id = nxt
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        nxt = (input_ids * 1103 + positions * 7919 + 12345) % _SPAN + _FIRST_ID
-        return nxt.to(torch.float32).unsqueeze(1)  # exact: ids < 2**24
+        return self.next_id[input_ids].unsqueeze(1)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states
 
 
 class NullSampler(torch.nn.Module):
-    """Reads the id the null model put in its one-column logits (greedy, no logprobs)."""
+    """Reads the id the null model put in its one-column "logits" (greedy, no logprobs)."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        return SamplerOutput(sampled_token_ids=logits[:, 0].to(torch.int64), logprobs=None)
+        return SamplerOutput(sampled_token_ids=logits[:, 0], logprobs=None)
 
 
 class NullWorker(Worker):
@@ -81,7 +90,7 @@ class NullWorker(Worker):
         self.device = torch.device("cpu")
         self.dtype = torch.float32
         init_tensor_parallel(rank, 1, None, self.device)
-        self.model = NullModel()  # type: ignore[assignment]
+        self.model = NullModel(model_config.vocab_size)  # type: ignore[assignment]
         self.runner = ModelRunner(self.model, model_config.vocab_size, config.block_size, model_config.max_model_len,
                                   model_config.max_num_seqs, model_config.max_num_batched_tokens, self.device,
                                   self.dtype)

@@ -197,12 +197,16 @@ class KVCacheManager:
         return [b.block_id for b in computed_blocks + new]
 
     def cache_full_blocks(self, request: Request, num_real_computed: int) -> None:
-        """Publish the request's full blocks whose tokens are all real and computed."""
+        """Publish the request's full blocks whose tokens are all real and computed.
+
+        Sets ``request.kv_publish_at``: while fewer tokens than that are real and computed,
+        a call would publish nothing, so the scheduler's hot loops skip it."""
         if not self.enable_prefix_caching:
             return
         key = id(request)
         start = self.req_num_hashed.get(key, 0)
-        if (start + 1) * self.block_size > num_real_computed:
+        request.kv_publish_at = (start + 1) * self.block_size
+        if request.kv_publish_at > num_real_computed:
             return  # no block filled since the last call (most decode steps)
         blocks = self.req_blocks.get(key)
         if not blocks:
@@ -213,6 +217,7 @@ class KVCacheManager:
             self.pool.set_hash(blocks[j], request.block_hashes[j])
         if n_full > start:
             self.req_num_hashed[key] = n_full
+            request.kv_publish_at = (n_full + 1) * self.block_size
 
     def uncache(self, request: Request) -> None:
         """Withdraw the request's blocks from the prefix cache (their KV is not trusted)."""
@@ -222,6 +227,7 @@ class KVCacheManager:
                     del self.pool.cached[b.block_hash]
                 b.block_hash = None
         self.req_num_hashed.pop(id(request), None)
+        request.kv_publish_at = 0
         request.block_hashes.clear()
 
     def free(self, request: Request) -> None:
@@ -229,6 +235,7 @@ class KVCacheManager:
         key = id(request)
         blocks = self.req_blocks.pop(key, None)
         self.req_num_hashed.pop(key, None)
+        request.kv_publish_at = 0
         if blocks:
             self.pool.release(blocks)
 

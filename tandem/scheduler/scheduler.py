@@ -216,11 +216,10 @@ class Scheduler:
         # Prompt tokens are real: publish their full blocks now so later requests hit them.
         kv = self.kv
         if kv.enable_prefix_caching:
-            hashed, bs = kv.req_num_hashed, kv.block_size
             for req in step.reqs.values():
-                real = min(req.num_computed_tokens, len(req.prompt_token_ids) + len(req.output_token_ids))
-                if (hashed.get(id(req), 0) + 1) * bs <= real:  # a block was filled (cache_full_blocks' own test)
-                    kv.cache_full_blocks(req, real)
+                at = req.kv_publish_at  # a block may be full: cache_full_blocks' own test, inlined
+                if req.num_computed_tokens >= at and len(req.prompt_token_ids) + len(req.output_token_ids) >= at:
+                    kv.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
         return self._emit(step)
 
     def _schedule_running(self, step: "_StepBuilder") -> None:
@@ -355,7 +354,7 @@ class Scheduler:
 
         outputs: dict[str, EngineCoreOutput] = {}
         kv = self.kv
-        hashed, bs, caching = kv.req_num_hashed, kv.block_size, kv.enable_prefix_caching
+        caching = kv.enable_prefix_caching
         max_len = self.max_model_len
         logprobs = result.logprobs
         finished = RequestStatus.FINISHED_STOPPED
@@ -377,20 +376,16 @@ class Scheduler:
             if logprobs is not None:
                 out.logprobs.append(logprobs[k])
             outputs[rid] = out
-            sp = req.sampling_params
             num_tokens = len(req.prompt_token_ids) + len(out_ids)
-            if (len(out_ids) >= req.max_tokens or num_tokens >= max_len or sp.stop_token_ids
-                    or (not sp.ignore_eos and token in req.eos_token_ids)):
+            if len(out_ids) >= req.max_tokens or num_tokens >= max_len or token in req.stop_check_ids:
                 status = self._check_stop(req, token)
                 if status is not None:
                     self._finish(req, status)
                     out.finish_reason = status.finish_reason
                     out.stop_reason = req.stop_reason
                     continue
-            if caching:
-                real = min(req.num_computed_tokens, num_tokens)
-                if (hashed.get(id(req), 0) + 1) * bs <= real:
-                    kv.cache_full_blocks(req, real)
+            if caching and num_tokens >= req.kv_publish_at and req.num_computed_tokens >= req.kv_publish_at:
+                kv.cache_full_blocks(req, min(req.num_computed_tokens, num_tokens))
 
         starts = {sr.req_id: sr.num_computed_tokens for sr in sched.requests} if result.prompt_logprobs else {}
         for rid, plps in result.prompt_logprobs.items():
