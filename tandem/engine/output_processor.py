@@ -49,6 +49,13 @@ class _Child:
     stop_reason: Optional[int | str] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
+    # Nothing to do per token but keep it: no stop strings, no logprobs of any kind (set
+    # in __post_init__; the hot path of a lazy ``process_outputs``).
+    plain: bool = False
+
+    def __post_init__(self) -> None:
+        self.plain = (self.logprobs is None and self.params.prompt_logprobs is None
+                      and (self.detok is None or not self.detok.stop))
 
     def finished_stats(self, reason: str, state: "RequestState", now: float) -> FinishedRequestStats:
         n = len(self.token_ids)
@@ -172,12 +179,24 @@ class OutputProcessor:
         result.stats.finished, self._aborted = self._aborted, []
         touched: dict[str, RequestState] = {}
         child_of = self._child_of
+        log_stats = self.log_stats
         for out in outputs:
             entry = child_of.get(out.req_id)
             if entry is None:
                 continue  # aborted by the caller after the step was launched
             state, child = entry
-            self._apply(state, child, out, now, result, final_only)
+            if (final_only and child.plain and out.finish_reason is None and out.error is None
+                    and out.queue_time is None and child.finish_reason is None and not state.pending):
+                # _apply's whole effect on a plain child's ordinary step, inlined (hot).
+                new_ids = out.new_token_ids
+                if new_ids:
+                    child.token_ids += new_ids
+                    if log_stats:
+                        self._note_tokens(state, child, len(new_ids), now, result.stats)
+                    if child.index == 0:
+                        state.num_cached_tokens = out.num_cached_tokens
+            else:
+                self._apply(state, child, out, now, result, final_only)
             touched[state.request_id] = state
         updated = result.updated
         for rid, state in touched.items():

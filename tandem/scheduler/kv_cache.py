@@ -178,9 +178,10 @@ class KVCacheManager:
                 return None
             new = self.pool.allocate(need)
             if owned is None:
-                self.req_blocks[key] = new
+                self.req_blocks[key] = owned = new
             else:
                 owned.extend(new)
+            request.kv_num_slots = len(owned) * self.block_size
             return [b.block_id for b in new]
         owned = owned or []
         total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
@@ -194,6 +195,7 @@ class KVCacheManager:
         new = self.pool.allocate(max(need, 0))
         blocks = owned + computed_blocks + new
         self.req_blocks[key] = blocks
+        request.kv_num_slots = len(blocks) * self.block_size
         return [b.block_id for b in computed_blocks + new]
 
     def cache_full_blocks(self, request: Request, num_real_computed: int) -> None:
@@ -236,6 +238,7 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(key, None)
         self.req_num_hashed.pop(key, None)
         request.kv_publish_at = 0
+        request.kv_num_slots = 0
         if blocks:
             self.pool.release(blocks)
 

@@ -232,7 +232,6 @@ class Scheduler:
         """
         running = self.running
         max_len = self.max_model_len
-        req_blocks, bs = self.kv.req_blocks, self.kv.block_size
         scheduled, reqs = step.scheduled, step.reqs
         budget = step.budget
         i = 0
@@ -248,10 +247,11 @@ class Scheduler:
                 i += 1
                 continue  # stays running: its in-flight token will finish it
             start = req.num_computed_tokens
-            n = min(n_tok - start, budget)
+            n = n_tok - start
+            if n > budget:
+                n = budget
             assert n > 0, f"running request with nothing to compute: {req}"
-            owned = req_blocks.get(id(req))
-            if owned is not None and start + n <= len(owned) * bs:
+            if start + n <= req.kv_num_slots:
                 new_blocks: Optional[list[int]] = []  # its blocks have room for the n tokens
             else:
                 step.budget = budget
@@ -352,7 +352,7 @@ class Scheduler:
             req.num_inflight_steps -= 1
             assert req.num_inflight_steps >= 0
 
-        outputs: dict[str, EngineCoreOutput] = {}
+        outputs: list[EngineCoreOutput] = []  # one per request (its ids are unique in a step)
         kv = self.kv
         caching = kv.enable_prefix_caching
         max_len = self.max_model_len
@@ -368,14 +368,14 @@ class Scheduler:
             req.num_output_placeholders -= 1
             assert req.num_output_placeholders >= 0, f"placeholders went negative: {req}"
             if req.grammar is not None and not req.grammar.accept_token(token):
-                outputs[rid] = self._grammar_refused(req, token)
+                outputs.append(self._grammar_refused(req, token))
                 continue
             out_ids = req.output_token_ids
             out_ids.append(token)
             out = EngineCoreOutput(rid, [token], num_cached_tokens=req.num_cached_tokens)
             if logprobs is not None:
                 out.logprobs.append(logprobs[k])
-            outputs[rid] = out
+            outputs.append(out)
             num_tokens = len(req.prompt_token_ids) + len(out_ids)
             if len(out_ids) >= req.max_tokens or num_tokens >= max_len or token in req.stop_check_ids:
                 status = self._check_stop(req, token)
@@ -387,7 +387,16 @@ class Scheduler:
             if caching and num_tokens >= req.kv_publish_at and req.num_computed_tokens >= req.kv_publish_at:
                 kv.cache_full_blocks(req, min(req.num_computed_tokens, num_tokens))
 
-        starts = {sr.req_id: sr.num_computed_tokens for sr in sched.requests} if result.prompt_logprobs else {}
+        if result.prompt_logprobs:
+            self._add_prompt_logprobs(sched, result, step_reqs, outputs)
+        self._release_pending()
+        return outputs
+
+    def _add_prompt_logprobs(self, sched: SchedulerOutput, result: ModelRunnerOutput, step_reqs: dict[str, Request],
+                             outs: list[EngineCoreOutput]) -> None:
+        """Attach the step's prompt logprobs to the requests' outputs (adding outputs as needed)."""
+        outputs = {o.req_id: o for o in outs}
+        starts = {sr.req_id: sr.num_computed_tokens for sr in sched.requests}
         for rid, plps in result.prompt_logprobs.items():
             req = step_reqs[rid]
             if req.is_finished and rid not in outputs:
@@ -401,10 +410,8 @@ class Scheduler:
             plp_out = outputs.get(rid)
             if plp_out is None:
                 plp_out = outputs[rid] = EngineCoreOutput(rid, [], num_cached_tokens=req.num_cached_tokens)
+                outs.append(plp_out)
             plp_out.prompt_logprobs = plps
-
-        self._release_pending()
-        return list(outputs.values())
 
     def _grammar_refused(self, req: Request, token: int) -> EngineCoreOutput:
         """The sampled token breaks the request's constraint (the masked sampler cannot pick

@@ -76,6 +76,9 @@ class Request:
         # The prefix cache's: no block of the request can be published before this many of
         # its tokens are real and computed (0: unknown; see KVCacheManager.cache_full_blocks).
         self.kv_publish_at = 0
+        # Token slots of the blocks the request owns (the KV cache manager keeps it current),
+        # so the scheduler sees without a lookup that a decode step needs no new block.
+        self.kv_num_slots = 0
         # Structured outputs: the compiled constraint and its matcher state, advanced by every
         # received token (never by placeholders). Set by the engine core when the request
         # arrives; None for an unconstrained request.
