@@ -252,12 +252,13 @@ class Scheduler:
                 n = budget
             assert n > 0, f"running request with nothing to compute: {req}"
             if start + n <= req.kv_num_slots:
-                new_blocks: Optional[list[int]] = []  # its blocks have room for the n tokens
+                new_blocks: list[int] = []  # its blocks have room for the n tokens
             else:
                 step.budget = budget
-                new_blocks = self._allocate_or_preempt(req, n, step)
-                if new_blocks is None:
+                allocated = self._allocate_or_preempt(req, n, step)
+                if allocated is None:
                     break  # req itself was preempted; nothing after it is left
+                new_blocks = allocated
             # _account
             computed = req.num_computed_tokens = start + n
             req.num_inflight_steps += 1
