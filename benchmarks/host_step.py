@@ -20,7 +20,9 @@ request), after ``--warmup`` of them; prefill and the drain at the end are left 
 last line is ``host step: X ms``: the median steady step of a run (robust to a busy
 neighbour on a shared machine), the median over ``--repeat`` runs. Each run also prints the
 mean step and the time of the calls left out (prefill, the final step that finishes every
-request), so work moved out of the steady steps stays visible.
+request), so work moved out of the steady steps stays visible. "CPU" is this thread's CPU
+time (``time.thread_time``): a neighbour that takes the core away inflates the wall time
+of a step, not its CPU time.
 """
 from __future__ import annotations
 
@@ -194,7 +196,8 @@ def main() -> int:
         ms = [t * 1e3 for t in times]
         medians.append(statistics.median(ms))
         print(f"run {r}: {len(ms)} steady decode steps, median {medians[-1]:.3f} ms (CPU "
-              f"{statistics.median(cpu) * 1e3:.3f} ms), mean {statistics.fmean(ms):.3f} ms, "
+              f"{statistics.median(cpu) * 1e3:.3f} ms), mean {statistics.fmean(ms):.3f} ms (CPU "
+              f"{statistics.fmean(cpu) * 1e3:.3f} ms), "
               f"p90 {sorted(ms)[int(0.9 * (len(ms) - 1))]:.3f} ms; generate {total * 1e3:.0f} ms, of which "
               f"{other * 1e3:.0f} ms in prefill and final calls; text of request 0: {outs[0].outputs[0].text[:30]!r}")
         if prof is not None:
