@@ -222,6 +222,13 @@ class IncrementalDetokenizer:
         """
         if self.stop_str_matched is not None:
             return None
+        if not self.stop and not self._owed_prompt_text:
+            # Nothing to match and no prompt text to drop: the loop below reduced to its
+            # essentials, for a lazy caller that feeds a request's ids in one call.
+            ids = [int(t) for t in new_token_ids]
+            self._token_ids += ids
+            self._text += "".join([c for c in map(self._stream.step, ids) if c])
+            return None
         for token_id in new_token_ids:
             token_id = int(token_id)
             self._token_ids.append(token_id)

@@ -41,7 +41,8 @@ class LLMEngine:
         self.core = EngineCore(config, self.model_config)
         self.input_processor = InputProcessor(config, self.model_config.info, self.tokenizer)
         self.input_processor.num_kv_blocks = self.core.kv_cache.num_blocks
-        self.output_processor = OutputProcessor(self.tokenizer, config.enable_prefix_caching)
+        # Nobody reads the per-step stats offline (the server's front end does, for /metrics).
+        self.output_processor = OutputProcessor(self.tokenizer, config.enable_prefix_caching, log_stats=False)
 
     # -- input ---------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

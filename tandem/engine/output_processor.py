@@ -11,6 +11,15 @@ class serves the synchronous ``LLMEngine`` and the asyncio ``AsyncLLM``.
 A request's text only grows: while a child is unfinished its text leaves out the last
 ``len(longest stop string) - 1`` characters, which could still turn out to start a stop
 string, so a streamed prefix is never taken back.
+
+Detokenization is lazy where nobody needs the text yet: with ``final_only`` (the offline
+``LLM`` and the server's front end, which builds a stream's output only when its reader
+reads it) a child without stop strings only collects its token ids, and the detokenizer
+catches up on them when an output is built. Feeding the same ids later, all at once, gives
+the same text as feeding them one step at a time (the detokenizer is a pure function of the
+id sequence, and without stop strings nothing depends on the text before it is read), while
+the engine's step loop no longer pays a decode call per request per step. A child with
+stop strings is decoded at every step: a match must stop the request in the core.
 """
 from __future__ import annotations
 
@@ -40,6 +49,13 @@ class _Child:
     stop_reason: Optional[int | str] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
+    # Nothing to do per token but keep it: no stop strings, no logprobs of any kind (set
+    # in __post_init__; the hot path of a lazy ``process_outputs``).
+    plain: bool = False
+
+    def __post_init__(self) -> None:
+        self.plain = (self.logprobs is None and self.params.prompt_logprobs is None
+                      and (self.detok is None or not self.detok.stop))
 
     def finished_stats(self, reason: str, state: "RequestState", now: float) -> FinishedRequestStats:
         n = len(self.token_ids)
@@ -80,8 +96,10 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, share_prompt_blocks: bool) -> None:
+    def __init__(self, tokenizer: Any, share_prompt_blocks: bool, log_stats: bool = True) -> None:
         self.tokenizer = tokenizer
+        # Off: no ``IterationStats`` are gathered (the offline engine reads none).
+        self.log_stats = log_stats
         # With prefix caching, an n > 1 request runs its first child alone until the prompt
         # is computed; the siblings then hit its cached blocks instead of recomputing it.
         self.share_prompt_blocks = share_prompt_blocks
@@ -129,7 +147,7 @@ class OutputProcessor:
             return []
         now = time.monotonic()
         for c in state.children:
-            if c.finish_reason is None:
+            if c.finish_reason is None and self.log_stats:
                 self._aborted.append(c.finished_stats("abort", state, now))
         self._forget(state)
         return [c.core_id for c in state.children]
@@ -160,19 +178,35 @@ class OutputProcessor:
         result = ProcessedOutputs([], [], [], [], IterationStats())
         result.stats.finished, self._aborted = self._aborted, []
         touched: dict[str, RequestState] = {}
+        child_of = self._child_of
+        log_stats = self.log_stats
         for out in outputs:
-            entry = self._child_of.get(out.req_id)
+            entry = child_of.get(out.req_id)
             if entry is None:
                 continue  # aborted by the caller after the step was launched
             state, child = entry
-            self._apply(state, child, out, now, result)
+            if (final_only and child.plain and out.finish_reason is None and out.error is None
+                    and out.queue_time is None and child.finish_reason is None and not state.pending):
+                # _apply's whole effect on a plain child's ordinary step, inlined (hot).
+                new_ids = out.new_token_ids
+                if new_ids:
+                    child.token_ids += new_ids
+                    if log_stats:
+                        self._note_tokens(state, child, len(new_ids), now, result.stats)
+                    if child.index == 0:
+                        state.num_cached_tokens = out.num_cached_tokens
+            else:
+                self._apply(state, child, out, now, result, final_only)
             touched[state.request_id] = state
-        for state in touched.values():
-            if state.finished:
+        updated = result.updated
+        for rid, state in touched.items():
+            children = state.children
+            if (children[0].finish_reason is not None if len(children) == 1  # state.finished, inlined (hot)
+                    else state.finished):
                 result.request_outputs.append(self._make_output(state))
                 self._forget(state)
             elif final_only:
-                result.updated.append(state.request_id)
+                updated.append(rid)
             else:
                 result.request_outputs.append(self._make_output(state))
         return result
@@ -182,7 +216,9 @@ class OutputProcessor:
         return self._make_output(self.requests[request_id])
 
     def _apply(self, state: RequestState, child: _Child, out: EngineCoreOutput, now: float,
-               result: ProcessedOutputs) -> None:
+               result: ProcessedOutputs, lazy: bool = False) -> None:
+        """Add one core output to ``child``. ``lazy``: leave detokenization to whoever builds
+        an output, unless the child has stop strings (see the module doc)."""
         if child.finish_reason is not None:
             return
         if out.error is not None:
@@ -192,14 +228,27 @@ class OutputProcessor:
         if out.prompt_logprobs and state.prompt_logprobs is not None and child.index == 0:
             n = child.params.prompt_logprobs or 0
             state.prompt_logprobs.extend(self._convert_logprobs(lp, n) for lp in out.prompt_logprobs)
-        if out.new_token_ids:
-            self._note_tokens(state, child, len(out.new_token_ids), now, result.stats)
+        new_ids = out.new_token_ids
+        if new_ids:
+            if self.log_stats:
+                self._note_tokens(state, child, len(new_ids), now, result.stats)
             if child.index == 0:
                 state.num_cached_tokens = out.num_cached_tokens
                 if state.pending:  # the prompt is computed and cached now: release the siblings
                     result.core_adds += state.pending
                     state.pending = []
-        for k, tok in enumerate(out.new_token_ids):
+        detok = child.detok
+        if detok is None or not detok.stop:  # no stop strings: nothing to match per token
+            child.token_ids += new_ids
+            if child.logprobs is not None:
+                num = child.params.logprobs or 0
+                child.logprobs += [self._convert_logprobs(lp, num) for lp in out.logprobs[:len(new_ids)]]
+            if detok is not None and not lazy:
+                self._catch_up(child)
+            if out.finish_reason is not None:
+                self._end(state, child, out, now, result)
+            return
+        for k, tok in enumerate(new_ids):
             child.token_ids.append(tok)
             if child.logprobs is not None and k < len(out.logprobs):
                 child.logprobs.append(self._convert_logprobs(out.logprobs[k], child.params.logprobs or 0))
@@ -216,12 +265,25 @@ class OutputProcessor:
                     self._finish(state, child, "stop", matched, now, result.stats)
                     return
         if out.finish_reason is not None:
-            self._finish(state, child, out.finish_reason, out.stop_reason, now, result.stats)
-            if state.pending and out.finish_reason == "error":
-                # The first child failed before computing the prompt: its siblings never started.
-                state.pending = []
-                for c in state.children[1:]:
-                    self._finish(state, c, "error", None, now, result.stats)
+            self._end(state, child, out, now, result)
+
+    def _end(self, state: RequestState, child: _Child, out: EngineCoreOutput, now: float,
+             result: ProcessedOutputs) -> None:
+        """The core finished ``child`` (``out.finish_reason``)."""
+        assert out.finish_reason is not None
+        self._finish(state, child, out.finish_reason, out.stop_reason, now, result.stats)
+        if state.pending and out.finish_reason == "error":
+            # The first child failed before computing the prompt: its siblings never started.
+            state.pending = []
+            for c in state.children[1:]:
+                self._finish(state, c, "error", None, now, result.stats)
+
+    @staticmethod
+    def _catch_up(child: _Child) -> None:
+        """Feed the detokenizer the ids it has not seen (a child without stop strings)."""
+        detok = child.detok
+        if detok is not None and detok.num_output_tokens < len(child.token_ids):
+            detok.update(child.token_ids[detok.num_output_tokens:])
 
     @staticmethod
     def _note_tokens(state: RequestState, child: _Child, n: int, now: float, stats: IterationStats) -> None:
@@ -236,11 +298,11 @@ class OutputProcessor:
             child.first_token_time = now
         child.last_token_time = now
 
-    @staticmethod
-    def _finish(state: RequestState, child: _Child, reason: str, stop_reason: Optional[int | str], now: float,
+    def _finish(self, state: RequestState, child: _Child, reason: str, stop_reason: Optional[int | str], now: float,
                 stats: IterationStats) -> None:
         child.finish_reason, child.stop_reason = reason, stop_reason
-        stats.finished.append(child.finished_stats(reason, state, now))
+        if self.log_stats:
+            stats.finished.append(child.finished_stats(reason, state, now))
 
     def _convert_logprobs(self, lp: SampledLogprobs, num: int) -> PositionLogprobs:
         """The chosen token plus this request's own top-``num`` (the batch computed the max)."""
@@ -254,6 +316,7 @@ class OutputProcessor:
     def _make_output(self, state: RequestState) -> RequestOutput:
         outs = []
         for c in state.children:
+            self._catch_up(c)
             text = c.detok.get_next_output_text(c.finish_reason is not None, delta=False) if c.detok else ""
             outs.append(CompletionOutput(c.index, text, list(c.token_ids),
                                          None if c.logprobs is None else list(c.logprobs),

@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
@@ -33,10 +34,8 @@ _ROOT_HASH = 0x7A6E_6465_6D00  # arbitrary parent of the first block
 
 
 def hash_block(parent: int, tokens: list[int] | tuple[int, ...]) -> int:
-    h = xxhash.xxh3_64()
-    h.update(parent.to_bytes(8, "little"))
-    h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in tokens))
-    return h.intdigest()
+    """xxh3 of the parent hash (8 bytes) and the tokens (4 bytes each), little-endian."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<Q{len(tokens)}I", parent, *tokens))
 
 
 @dataclass
@@ -179,9 +178,10 @@ class KVCacheManager:
                 return None
             new = self.pool.allocate(need)
             if owned is None:
-                self.req_blocks[key] = new
+                self.req_blocks[key] = owned = new
             else:
                 owned.extend(new)
+            request.kv_num_slots = len(owned) * self.block_size
             return [b.block_id for b in new]
         owned = owned or []
         total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
@@ -195,15 +195,20 @@ class KVCacheManager:
         new = self.pool.allocate(max(need, 0))
         blocks = owned + computed_blocks + new
         self.req_blocks[key] = blocks
+        request.kv_num_slots = len(blocks) * self.block_size
         return [b.block_id for b in computed_blocks + new]
 
     def cache_full_blocks(self, request: Request, num_real_computed: int) -> None:
-        """Publish the request's full blocks whose tokens are all real and computed."""
+        """Publish the request's full blocks whose tokens are all real and computed.
+
+        Sets ``request.kv_publish_at``: while fewer tokens than that are real and computed,
+        a call would publish nothing, so the scheduler's hot loops skip it."""
         if not self.enable_prefix_caching:
             return
         key = id(request)
         start = self.req_num_hashed.get(key, 0)
-        if (start + 1) * self.block_size > num_real_computed:
+        request.kv_publish_at = (start + 1) * self.block_size
+        if request.kv_publish_at > num_real_computed:
             return  # no block filled since the last call (most decode steps)
         blocks = self.req_blocks.get(key)
         if not blocks:
@@ -214,6 +219,7 @@ class KVCacheManager:
             self.pool.set_hash(blocks[j], request.block_hashes[j])
         if n_full > start:
             self.req_num_hashed[key] = n_full
+            request.kv_publish_at = (n_full + 1) * self.block_size
 
     def uncache(self, request: Request) -> None:
         """Withdraw the request's blocks from the prefix cache (their KV is not trusted)."""
@@ -223,6 +229,7 @@ class KVCacheManager:
                     del self.pool.cached[b.block_hash]
                 b.block_hash = None
         self.req_num_hashed.pop(id(request), None)
+        request.kv_publish_at = 0
         request.block_hashes.clear()
 
     def free(self, request: Request) -> None:
@@ -230,6 +237,8 @@ class KVCacheManager:
         key = id(request)
         blocks = self.req_blocks.pop(key, None)
         self.req_num_hashed.pop(key, None)
+        request.kv_publish_at = 0
+        request.kv_num_slots = 0
         if blocks:
             self.pool.release(blocks)
 

@@ -214,8 +214,12 @@ class Scheduler:
         if not step.preempted:  # a step that had to preempt admits no one
             self._schedule_waiting(step)
         # Prompt tokens are real: publish their full blocks now so later requests hit them.
-        for req in step.reqs.values():
-            self.kv.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+        kv = self.kv
+        if kv.enable_prefix_caching:
+            for req in step.reqs.values():
+                at = req.kv_publish_at  # a block may be full: cache_full_blocks' own test, inlined
+                if req.num_computed_tokens >= at and len(req.prompt_token_ids) + len(req.output_token_ids) >= at:
+                    kv.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
         return self._emit(step)
 
     def _schedule_running(self, step: "_StepBuilder") -> None:
@@ -228,10 +232,13 @@ class Scheduler:
         """
         running = self.running
         max_len = self.max_model_len
+        scheduled, reqs = step.scheduled, step.reqs
+        budget = step.budget
         i = 0
-        # The hot loop of every step: _at_end and _account inlined (this runs for every
-        # running request, 256 times a step at full batch).
-        while i < len(running) and step.budget > 0:
+        # The hot loop of every step: _at_end, _account, step.add and the no-new-block case
+        # of allocate_slots inlined (this runs for every running request, 256 times a step
+        # at full batch). ``step.budget`` is kept in a local and written back.
+        while i < len(running) and budget > 0:
             req = running[i]
             n_out = len(req.output_token_ids) + req.num_output_placeholders
             n_tok = len(req.prompt_token_ids) + n_out  # known tokens + placeholders
@@ -240,15 +247,32 @@ class Scheduler:
                 i += 1
                 continue  # stays running: its in-flight token will finish it
             start = req.num_computed_tokens
-            n = min(n_tok - start, step.budget)
+            n = n_tok - start
+            if n > budget:
+                n = budget
             assert n > 0, f"running request with nothing to compute: {req}"
-            new_blocks = self._allocate_or_preempt(req, n, step)
-            if new_blocks is None:
-                break  # req itself was preempted; nothing after it is left
-            step.add(req, ScheduledRequest(req.request_id, start, n, new_blocks, self._account(req, n)), n)
+            if start + n <= req.kv_num_slots:
+                new_blocks: list[int] = []  # its blocks have room for the n tokens
+            else:
+                step.budget = budget
+                allocated = self._allocate_or_preempt(req, n, step)
+                if allocated is None:
+                    break  # req itself was preempted; nothing after it is left
+                new_blocks = allocated
+            # _account
+            computed = req.num_computed_tokens = start + n
+            req.num_inflight_steps += 1
+            samples = computed == n_tok
+            if samples:
+                req.num_output_placeholders += 1
+            scheduled.append(ScheduledRequest(req.request_id, start, n, new_blocks, samples))
+            reqs[req.request_id] = req
+            budget -= n
             i += 1
+        step.budget = budget
         # Requests past i were not visited (budget spent): count those that are ending too.
-        step.num_ending += sum(1 for r in self.running[i:] if self._at_end(r))
+        if i < len(running):
+            step.num_ending += sum(1 for r in running[i:] if self._at_end(r))
 
     def _allocate_or_preempt(self, req: Request, n: int, step: "_StepBuilder") -> Optional[list[int]]:
         """Blocks for ``n`` more tokens of ``req``, preempting the newest running requests
@@ -329,32 +353,51 @@ class Scheduler:
             req.num_inflight_steps -= 1
             assert req.num_inflight_steps >= 0
 
-        outputs: dict[str, EngineCoreOutput] = {}
-        for k, rid in enumerate(result.req_ids):
+        outputs: list[EngineCoreOutput] = []  # one per request (its ids are unique in a step)
+        kv = self.kv
+        caching = kv.enable_prefix_caching
+        max_len = self.max_model_len
+        logprobs = result.logprobs
+        finished = RequestStatus.FINISHED_STOPPED
+        # The hot loop of every step (once per sampled request): _check_stop's common case
+        # and cache_full_blocks' early return inlined.
+        for k, (rid, token) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
             req = step_reqs[rid]
-            if req.status >= RequestStatus.FINISHED_STOPPED:  # req.is_finished, inlined (hot)
+            if req.status >= finished:  # req.is_finished, inlined (hot)
                 self.stats.num_dropped_tokens += 1
                 continue  # token after the end, or for an aborted request
-            token = result.sampled_token_ids[k]
             req.num_output_placeholders -= 1
             assert req.num_output_placeholders >= 0, f"placeholders went negative: {req}"
             if req.grammar is not None and not req.grammar.accept_token(token):
-                outputs[rid] = self._grammar_refused(req, token)
+                outputs.append(self._grammar_refused(req, token))
                 continue
-            req.output_token_ids.append(token)
+            out_ids = req.output_token_ids
+            out_ids.append(token)
             out = EngineCoreOutput(rid, [token], num_cached_tokens=req.num_cached_tokens)
-            if result.logprobs is not None:
-                out.logprobs.append(result.logprobs[k])
-            outputs[rid] = out
-            status = self._check_stop(req, token)
-            if status is not None:
-                self._finish(req, status)
-                out.finish_reason = status.finish_reason
-                out.stop_reason = req.stop_reason
-            else:
-                self.kv.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+            if logprobs is not None:
+                out.logprobs.append(logprobs[k])
+            outputs.append(out)
+            num_tokens = len(req.prompt_token_ids) + len(out_ids)
+            if len(out_ids) >= req.max_tokens or num_tokens >= max_len or token in req.stop_check_ids:
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self._finish(req, status)
+                    out.finish_reason = status.finish_reason
+                    out.stop_reason = req.stop_reason
+                    continue
+            if caching and num_tokens >= req.kv_publish_at and req.num_computed_tokens >= req.kv_publish_at:
+                kv.cache_full_blocks(req, min(req.num_computed_tokens, num_tokens))
 
-        starts = {sr.req_id: sr.num_computed_tokens for sr in sched.requests} if result.prompt_logprobs else {}
+        if result.prompt_logprobs:
+            self._add_prompt_logprobs(sched, result, step_reqs, outputs)
+        self._release_pending()
+        return outputs
+
+    def _add_prompt_logprobs(self, sched: SchedulerOutput, result: ModelRunnerOutput, step_reqs: dict[str, Request],
+                             outs: list[EngineCoreOutput]) -> None:
+        """Attach the step's prompt logprobs to the requests' outputs (adding outputs as needed)."""
+        outputs = {o.req_id: o for o in outs}
+        starts = {sr.req_id: sr.num_computed_tokens for sr in sched.requests}
         for rid, plps in result.prompt_logprobs.items():
             req = step_reqs[rid]
             if req.is_finished and rid not in outputs:
@@ -368,10 +411,8 @@ class Scheduler:
             plp_out = outputs.get(rid)
             if plp_out is None:
                 plp_out = outputs[rid] = EngineCoreOutput(rid, [], num_cached_tokens=req.num_cached_tokens)
+                outs.append(plp_out)
             plp_out.prompt_logprobs = plps
-
-        self._release_pending()
-        return list(outputs.values())
 
     def _grammar_refused(self, req: Request, token: int) -> EngineCoreOutput:
         """The sampled token breaks the request's constraint (the masked sampler cannot pick

@@ -57,6 +57,10 @@ class Request:
         self.eos_token_ids = list(eos_token_ids)
         self.max_tokens = max_tokens
         self.sample_seed = sample_seed
+        # Token ids that may stop the request (stop ids, and EOS unless ignored): a received
+        # token outside them, short of the length limits, needs no stop check.
+        self.stop_check_ids = frozenset(sampling_params.stop_token_ids or ()).union(
+            () if sampling_params.ignore_eos else self.eos_token_ids)
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None
@@ -69,6 +73,12 @@ class Request:
         # recomputes its prompt, and those positions must not be reported twice.
         self.num_prompt_logprobs_sent = 0
         self.block_hashes: list[int] = []
+        # The prefix cache's: no block of the request can be published before this many of
+        # its tokens are real and computed (0: unknown; see KVCacheManager.cache_full_blocks).
+        self.kv_publish_at = 0
+        # Token slots of the blocks the request owns (the KV cache manager keeps it current),
+        # so the scheduler sees without a lookup that a decode step needs no new block.
+        self.kv_num_slots = 0
         # Structured outputs: the compiled constraint and its matcher state, advanced by every
         # received token (never by placeholders). Set by the engine core when the request
         # arrives; None for an unconstrained request.

@@ -18,6 +18,7 @@ Every request the worker knows owns one *row* for as long as it lives on the wor
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -72,9 +73,15 @@ class InputBatch:
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
         # Work for the next step's single upload: (row, first position, token ids) of new
-        # requests' known tokens, and (row, first column, block ids) of new blocks.
+        # requests' known tokens, and (row, first column, block ids) of new blocks. The
+        # latter are applied to the host block table in one vectorized write by
+        # ``flush_blocks``, which keeps them as (flat index, block id) arrays in
+        # ``block_writes`` until a step uploads them.
         self.pending_tokens: list[tuple[int, list[int]]] = []
         self.pending_blocks: list[tuple[int, int, list[int]]] = []
+        self.block_writes: list[tuple[np.ndarray, np.ndarray]] = []
+        # Rows whose request wants prompt logprobs (0: a step need not look for any).
+        self.num_prompt_logprobs = 0
 
     # -- lifecycle -----------------------------------------------------------------------
     def add(self, req_id: str, data: NewRequestData, block_ids: list[int]) -> CachedRequestState:
@@ -101,6 +108,8 @@ class InputBatch:
         self.seed[row] = data.sample_seed or 0
         self.min_tokens[row] = sp.min_tokens
         self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+        if sp.prompt_logprobs is not None:
+            self.num_prompt_logprobs += 1
         if sp.logit_bias:
             self.logit_bias[row] = (np.fromiter(sp.logit_bias.keys(), dtype=np.int64),
                                     np.fromiter(sp.logit_bias.values(), dtype=np.float32))
@@ -109,18 +118,43 @@ class InputBatch:
         return state
 
     def append_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
+        """Queue new block ids of a request; ``flush_blocks`` writes them into the tables."""
         if not block_ids:
             return
         n0 = state.num_blocks
-        n1 = n0 + len(block_ids)
-        self.block_table[state.row, n0:n1] = block_ids
-        state.num_blocks = n1
+        state.num_blocks = n0 + len(block_ids)
         self.pending_blocks.append((state.row, n0, block_ids))
+
+    def flush_blocks(self) -> None:
+        """Write the queued block ids into the host block table at once (a step's staging
+        reads it next) and keep them in ``block_writes`` for the device table.
+
+        At full batch every request crosses a block boundary at the same step: one numpy
+        scatter instead of a slice assignment per request."""
+        pending = self.pending_blocks
+        if not pending:
+            return
+        n = len(pending)
+        width = self.max_blocks
+        starts = np.fromiter((row * width + col for row, col, _ in pending), dtype=np.int64, count=n)
+        counts = np.fromiter((len(ids) for _, _, ids in pending), dtype=np.int64, count=n)
+        total = int(counts.sum())
+        vals = np.fromiter(itertools.chain.from_iterable(ids for _, _, ids in pending), dtype=np.int32, count=total)
+        if total == n:  # one block each (decode)
+            idx = starts
+        else:  # start of its run + position inside it
+            firsts = np.cumsum(counts) - counts
+            idx = np.repeat(starts - firsts, counts) + np.arange(total, dtype=np.int64)
+        self.block_table.reshape(-1)[idx] = vals
+        pending.clear()
+        self.block_writes.append((idx, vals))
 
     def remove(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self.logit_bias.pop(state.row, None)
+            if state.sampling_params.prompt_logprobs is not None:
+                self.num_prompt_logprobs -= 1
             self.free_rows.append(state.row)
 
     def discard_unapplied(self) -> None:
@@ -129,5 +163,8 @@ class InputBatch:
         row reused by the next request) and take back any row taken but not registered."""
         self.pending_tokens.clear()
         self.pending_blocks.clear()
+        self.block_writes.clear()
         owned = {state.row for state in self.requests.values()}
         self.free_rows = [r for r in range(self.max_rows - 1, -1, -1) if r not in owned]
+        self.num_prompt_logprobs = sum(1 for st in self.requests.values()
+                                       if st.sampling_params.prompt_logprobs is not None)

@@ -154,26 +154,28 @@ class ModelRunner:
             batch.remove(rid)
         for rid in so.preempted_req_ids:
             batch.remove(rid)
-        n = len(so.requests)
+        scheduled = so.requests
+        n = len(scheduled)
         states: list[CachedRequestState] = []
-        rows = np.empty(n, dtype=np.int32)
-        starts = np.empty(n, dtype=np.int32)
-        counts = np.empty(n, dtype=np.int32)
-        samples = np.empty(n, dtype=bool)
-        for i, r in enumerate(so.requests):
+        known = batch.requests
+        for r in scheduled:  # the per-request part: look up (or add) its state, queue new blocks
             if r.new is not None:
                 st = batch.add(r.req_id, r.new, r.new_block_ids)
             else:
-                st = batch.requests.get(r.req_id)  # type: ignore[assignment]
+                st = known.get(r.req_id)  # type: ignore[assignment]
                 if st is None:
                     raise RuntimeError(f"worker has no state for request {r.req_id!r} (step {so.step_id})")
-                batch.append_blocks(st, r.new_block_ids)
+                if r.new_block_ids:
+                    batch.append_blocks(st, r.new_block_ids)
             states.append(st)
-            rows[i] = st.row
-            starts[i] = r.num_computed_tokens
-            counts[i] = r.num_scheduled_tokens
-            samples[i] = r.samples
-        return StepPlan(states, rows, starts, counts, samples)
+        batch.flush_blocks()
+        return StepPlan(
+            states,
+            np.fromiter([st.row for st in states], dtype=np.int32, count=n),
+            np.fromiter([r.num_computed_tokens for r in scheduled], dtype=np.int32, count=n),
+            np.fromiter([r.num_scheduled_tokens for r in scheduled], dtype=np.int32, count=n),
+            np.fromiter([r.samples for r in scheduled], dtype=bool, count=n),
+        )
 
     # -- 2. staging ----------------------------------------------------------------------
     def _reserve_batch(self, num_tokens: int, num_seqs: int) -> tuple[BatchSegments, list[np.ndarray]]:
@@ -223,16 +225,16 @@ class ModelRunner:
     def _stage_table_writes(self) -> Optional[tuple[Segment, Segment, Segment, Segment]]:
         """New requests' tokens and new block ids, as flat (index, value) pairs."""
         batch = self.batch
-        if not batch.pending_tokens and not batch.pending_blocks:
+        batch.flush_blocks()
+        if not batch.pending_tokens and not batch.block_writes:
             return None
         sb = self.staging
         tok_idx = [np.arange(len(t), dtype=np.int64) + row * batch.width for row, t in batch.pending_tokens]
         tok_val = [np.asarray(t, dtype=np.int64) for _, t in batch.pending_tokens]
-        blk_idx = [np.arange(c, c + len(b), dtype=np.int64) + row * batch.max_blocks
-                   for row, c, b in batch.pending_blocks]
-        blk_val = [np.asarray(b, dtype=np.int32) for _, _, b in batch.pending_blocks]
+        blk_idx = [idx for idx, _ in batch.block_writes]
+        blk_val = [vals for _, vals in batch.block_writes]
         batch.pending_tokens.clear()
-        batch.pending_blocks.clear()
+        batch.block_writes.clear()
 
         def cat(xs: list[np.ndarray], dt: np.dtype) -> np.ndarray:
             return np.concatenate(xs) if xs else np.zeros(0, dtype=dt)
@@ -571,6 +573,8 @@ class ModelRunner:
     def _prompt_logprobs(self, plan: StepPlan, qsl: np.ndarray, hidden: torch.Tensor) -> dict[str, LogprobsTensors]:
         """Logprobs of each prompt position in this step's chunk (target = next prompt token)."""
         out: dict[str, LogprobsTensors] = {}
+        if not self.batch.num_prompt_logprobs:  # the common case: no row to look at
+            return out
         for i, st in enumerate(plan.states):
             k = st.sampling_params.prompt_logprobs
             start = int(plan.starts[i])

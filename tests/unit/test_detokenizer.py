@@ -296,6 +296,33 @@ def test_prompt_ending_inside_multibyte_char(bpe_tok, sp_tok, which):
             assert d.output_token_ids == ids[k:]
 
 
+# --------------------------------------------------------------------------- lazy feeding
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("which", ["bpe", "sp"])
+def test_ids_fed_in_chunks_give_the_text_of_one_by_one(bpe_tok, sp_tok, which):
+    """The output processor feeds a lazy request's ids in one call when its text is read:
+    any chunking gives the text (and ids) of feeding them one at a time, also when the
+    prompt ends inside a character (prompt text owed) and for the decode-only fallback."""
+    tok = bpe_tok if which == "bpe" else sp_tok
+    rng = random.Random(3)
+    ids = enc(tok, "Hello 😀 world")
+    cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith(FFFD)]
+    cases = [(ids[:k], ids[k:]) for k in cuts]
+    cases += [(enc(tok, "Say:"), enc(tok, " " + text)) for text in MULTIBYTE_TEXTS]
+    for prompt, out in cases:
+        for t in (tok, _DecodeOnly(tok)):
+            one_by_one = stream(t, prompt, out)
+            for _ in range(4):
+                d = IncrementalDetokenizer(t, prompt)
+                pos = 0
+                while pos < len(out):
+                    step = rng.randint(1, len(out))
+                    assert d.update(out[pos:pos + step]) is None
+                    pos += step
+                assert d.output_text == one_by_one.output_text, (prompt, out)
+                assert d.output_token_ids == out
+
+
 # --------------------------------------------------------------------------- fallback path
 @pytest.mark.timeout(60)
 def test_decode_only_fallback(bpe_tok, sp_tok):
