@@ -30,6 +30,19 @@ def test_triton_backend_matches_sdpa_and_warms_up(tiny_llama):
     with LLM(tiny_llama, attention_backend="triton", **kw) as llm:
         runner = llm.engine.core.executor.worker.runner
         assert runner.backend == "triton"
+        # Scale split-KV down to these contexts (a GPU of 64 SMs, 7-key chunks) so decode
+        # steps pick one split at short contexts and more as they grow, as on a GPU.
+        runner.num_sms, runner.min_split_tokens = 64, 7
+        picked: list[int] = []
+        pick = runner._decode_splits
+
+        def spy(num_seqs: int, max_seq_len: int) -> int:
+            picked.append(pick(num_seqs, max_seq_len))
+            return picked[-1]
+
+        runner._decode_splits = spy
         runner.warmup_kernels()  # on CUDA this runs at start-up; here it must at least run
+        picked.clear()
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got == want
+    assert 1 in picked and max(picked) > 1, f"split counts picked: {picked}"
