@@ -75,7 +75,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, rotary, paged attention, output projection.
+    """Fused QKV projection, rotary (applied inside ``Attention``), paged attention, output projection.
 
     Subclasses adjust q/k between the projection and rotary by overriding ``_qk_norm``
     (Qwen3's per-head RMSNorm).
@@ -109,8 +109,9 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         q, k = self._qk_norm(q, k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        # Rotary is applied by the attention layer, which fuses it into the KV-cache write
+        # on the Triton path.
+        return self.o_proj(self.attn(q, k, v, rope=(positions, self.rotary_emb)))
 
 
 class LlamaDecoderLayer(nn.Module):
