@@ -113,9 +113,21 @@ def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 # -- rotary fused into the KV-cache write ------------------------------------------------
 @triton.jit
-def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr,
-                            stride_qt, stride_kt, stride_vt, stride_vh, stride_vd, stride_cos,
-                            stride_ckv, stride_cslot, stride_ch, stride_cd,
+def _head_rms_norm(x1, x2, w_ptr, eps, dt: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, offs_d, d_ok):
+    """Per-head RMSNorm of ``[heads, HALF]`` halves (fp32 in), rounded as _rms_norm_kernel
+    rounds: the normalized value to the activation dtype, then the weight product."""
+    inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
+    w1 = tl.load(w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    n1 = (x1 * inv[:, None]).to(dt).to(tl.float32)
+    n2 = (x2 * inv[:, None]).to(dt).to(tl.float32)
+    return (w1[None, :] * n1).to(dt).to(tl.float32), (w2[None, :] * n2).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, qn_ptr, kn_ptr,
+                            eps, stride_qt, stride_kt, stride_vt, stride_vh, stride_vd, stride_cos,
+                            stride_ckv, stride_cslot, stride_ch, stride_cd, QK_NORM: tl.constexpr,
                             NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                             ROT_DIM: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
                             HALF_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TAIL_PAD: tl.constexpr):
@@ -136,6 +148,8 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, cach
     pq = q_ptr + tok * stride_qt + offs_q[:, None] * HEAD_DIM + offs_d[None, :]
     x1 = tl.load(pq, mask=q_mask, other=0.0).to(tl.float32)
     x2 = tl.load(pq + HALF, mask=q_mask, other=0.0).to(tl.float32)
+    if QK_NORM:  # Qwen3: RMSNorm over each head (full rotary only), then rotary
+        x1, x2 = _head_rms_norm(x1, x2, qn_ptr, eps, dt, HEAD_DIM, HALF, offs_d, d_ok)
     o1 = (x1 * cos[None, :]).to(dt).to(tl.float32) - (x2 * sin[None, :]).to(dt).to(tl.float32)
     o2 = (x2 * cos[None, :]).to(dt).to(tl.float32) + (x1 * sin[None, :]).to(dt).to(tl.float32)
     tl.store(pq, o1.to(dt), mask=q_mask)
@@ -150,6 +164,8 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, cach
         pk = k_row + offs_d[None, :]
         y1 = tl.load(pk, mask=k_mask, other=0.0).to(tl.float32)
         y2 = tl.load(pk + HALF, mask=k_mask, other=0.0).to(tl.float32)
+        if QK_NORM:
+            y1, y2 = _head_rms_norm(y1, y2, kn_ptr, eps, dt, HEAD_DIM, HALF, offs_d, d_ok)
         r1 = (y1 * cos[None, :]).to(dt).to(tl.float32) - (y2 * sin[None, :]).to(dt).to(tl.float32)
         r2 = (y2 * cos[None, :]).to(dt).to(tl.float32) + (y1 * sin[None, :]).to(dt).to(tl.float32)
         dst = cache_ptr + slot * stride_cslot + offs_k[:, None] * stride_ch
@@ -170,7 +186,8 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, cach
 
 def rotary_write_kv_cache_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cos_cache: torch.Tensor, sin_cache: torch.Tensor, rotary_dim: int,
-                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> None:
     """Rotary embedding and the KV-cache write in one launch (one kernel fewer per layer).
 
     ``q [T, H, D]`` is rotated in place; ``k [T, KVH, D]`` is rotated into its cache slot
@@ -179,6 +196,10 @@ def rotary_write_kv_cache_(positions: torch.Tensor, q: torch.Tensor, k: torch.Te
     (padding tokens) write nothing. The values equal ``rotary_embedding_`` followed by
     ``tandem.kernels.attention.write_kv_cache``. Heads must be contiguous within a token
     (views of a fused QKV output are); ``v`` may have any strides.
+
+    ``qk_norm=(q_weight, k_weight, eps)`` first applies an RMSNorm over each head of q and
+    of k (Qwen3's ``q_norm``/``k_norm``, two more kernels saved), as ``rms_norm`` would;
+    it needs ``rotary_dim == head_dim``.
     """
     T, nq, d = q.shape
     _, nk, _ = k.shape
@@ -193,13 +214,16 @@ def rotary_write_kv_cache_(positions: torch.Tensor, q: torch.Tensor, k: torch.Te
             raise ValueError(f"{name}'s heads must be contiguous within a token, got strides {t.stride()}")
     if slot_mapping.shape[0] < T or positions.shape[0] < T:
         raise ValueError("slot_mapping and positions need a value per token")
+    if qk_norm is not None and rotary_dim != d:
+        raise ValueError(f"qk_norm needs full rotary (rotary_dim {rotary_dim} != head_dim {d})")
     if T == 0:
         return
     half = rotary_dim // 2
+    q_w, k_w, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
     _rotary_write_kv_kernel[(T,)](
-        q, k, v, positions, cos_cache, sin_cache, kv_cache, slot_mapping,
+        q, k, v, positions, cos_cache, sin_cache, kv_cache, slot_mapping, q_w, k_w, float(eps),
         q.stride(0), k.stride(0), v.stride(0), v.stride(1), v.stride(2), cos_cache.stride(0),
-        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
+        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4), QK_NORM=qk_norm is not None,
         NUM_Q=nq, NUM_K=nk, HEAD_DIM=d, HALF=half, ROT_DIM=rotary_dim, Q_HEADS_PAD=_pow2(nq),
         K_HEADS_PAD=_pow2(nk), HALF_PAD=_pow2(half), HEAD_DIM_PAD=_pow2(d), TAIL_PAD=_pow2(max(1, d - rotary_dim)),
         num_warps=4)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if TYPE_CHECKING:
+    from tandem.layers.norm import RMSNorm
     from tandem.layers.rotary import RotaryEmbedding
 
 BACKENDS = ("sdpa", "triton")
@@ -154,8 +155,9 @@ class Attention(torch.nn.Module):
 
     Inputs are flattened: ``q [T, num_heads * head_dim]``, ``k, v [T, num_kv_heads * head_dim]``.
     Rotary is applied here when ``rope=(positions, rotary_emb)`` is given (else the caller
-    has applied it): on the Triton path with fused kernels one launch rotates q and k and
-    writes the KV cache, instead of a rotary kernel and a write kernel. Without a forward
+    has applied it), after ``qk_norm=(q_norm, k_norm)``, an RMSNorm over each head (Qwen3),
+    when given: on the Triton path with fused kernels one launch normalizes and rotates q
+    and k and writes the KV cache, instead of up to four kernels. Without a forward
     context (or with no metadata) the whole batch is treated as one causal sequence and
     nothing is cached; that keeps the layer usable for a warm-up/profiling pass.
     """
@@ -180,16 +182,19 @@ class Attention(torch.nn.Module):
         self.sliding_window = sliding_window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                rope: Optional[tuple[torch.Tensor, RotaryEmbedding]] = None) -> torch.Tensor:
+                rope: Optional[tuple[torch.Tensor, RotaryEmbedding]] = None,
+                qk_norm: Optional[tuple[RMSNorm, RMSNorm]] = None) -> torch.Tensor:
         T = q.shape[0]
         ctx = get_forward_context()
         md = ctx.attn_metadata if ctx is not None else None
+        if rope is not None and md is not None and md.backend == "triton" and rope[1].fused:
+            assert ctx is not None
+            out = self._triton_rope(rope[0], rope[1], qk_norm, q, k, v, ctx.kv_caches[self.layer_idx], md)
+            return out.reshape(T, self.num_heads * self.head_dim)
+        if qk_norm is not None:
+            q, k = self._head_norms(qk_norm, q, k)
         if rope is not None:
-            positions, rotary = rope
-            if md is not None and md.backend == "triton" and rotary.fused:
-                out = self._triton_rope(positions, rotary, q, k, v, ctx.kv_caches[self.layer_idx], md)  # type: ignore[union-attr]
-                return out.reshape(T, self.num_heads * self.head_dim)
-            q, k = rotary(positions, q, k)
+            q, k = rope[1](rope[0], q, k)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -211,16 +216,32 @@ class Attention(torch.nn.Module):
         write_kv_cache(k, v, kv, md.slot_mapping)
         return self._paged(q, kv, md)
 
-    def _triton_rope(self, positions: torch.Tensor, rotary: RotaryEmbedding, q: torch.Tensor, k: torch.Tensor,
+    def _head_norms(self, qk_norm: tuple[RMSNorm, RMSNorm], q: torch.Tensor,
+                    k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm over each head of q and of k (flattened ``[T, heads * head_dim]`` in and out)."""
+        T = q.shape[0]
+        q = qk_norm[0](q.reshape(T, -1, self.head_dim)).reshape(T, -1)
+        k = qk_norm[1](k.reshape(T, -1, self.head_dim)).reshape(T, -1)
+        return q, k
+
+    def _triton_rope(self, positions: torch.Tensor, rotary: RotaryEmbedding,
+                     qk_norm: Optional[tuple[RMSNorm, RMSNorm]], q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, kv: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """Rotary and the cache write in one kernel, then attention."""
+        """(Per-head q/k norms,) rotary and the cache write in one kernel, then attention."""
         from tandem.kernels.fused import rotary_write_kv_cache_
 
+        norm_args = None
+        if qk_norm is not None:
+            qn, kn = qk_norm
+            if rotary.rotary_dim == self.head_dim and qn.eps == kn.eps:
+                norm_args = (qn.weight, kn.weight, qn.eps)
+            else:  # the kernel norms only fully rotated heads with one eps
+                q, k = self._head_norms(qk_norm, q, k)
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         rotary_write_kv_cache_(positions, q, k.view(T, self.num_kv_heads, self.head_dim),
                                v.view(T, self.num_kv_heads, self.head_dim), rotary.cos_cache, rotary.sin_cache,
-                               rotary.rotary_dim, kv, md.slot_mapping)
+                               rotary.rotary_dim, kv, md.slot_mapping, qk_norm=norm_args)
         return self._paged(q, kv, md)
 
     def _paged(self, q: torch.Tensor, kv: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:

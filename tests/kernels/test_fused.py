@@ -88,9 +88,11 @@ def test_rotary_in_place_on_fused_qkv_views(dtype, heads, kv_heads, head_dim, ro
 @pytest.mark.parametrize("dtype,cache_dtype", [(d, d) for d in DTYPES] + [(torch.float16, torch.float32)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [(4, 2, 16, 16), (3, 1, 16, 8), (2, 2, 24, 16)]
                          + ([(14, 2, 64, 64), (28, 4, 128, 128)] if HAS_CUDA else []))
-def test_rotary_fused_into_the_kv_write(dtype, cache_dtype, heads, kv_heads, head_dim, rotary_dim):
-    """One kernel = eager rotary, then the KV write (the reference), on views of one fused
-    QKV output; padding tokens (slot -1) write nothing and the rest of the cache is kept."""
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_fused_into_the_kv_write(dtype, cache_dtype, heads, kv_heads, head_dim, rotary_dim, qk_norm):
+    """One kernel = (Qwen3's per-head q/k RMSNorm,) eager rotary, then the KV write (the
+    reference), on views of one fused QKV output; padding tokens (slot -1) write nothing and
+    the rest of the cache is kept."""
     from tandem.kernels.fused import rotary_write_kv_cache_
     from tandem.kernels.reference import write_kv_cache_reference
 
@@ -110,7 +112,15 @@ def test_rotary_fused_into_the_kv_write(dtype, cache_dtype, heads, kv_heads, hea
         q, k, v = t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         return q.view(T, heads, head_dim), k.view(T, kv_heads, head_dim), v.view(T, kv_heads, head_dim)
 
+    if qk_norm and rotary_dim != head_dim:
+        pytest.skip("the kernel norms only fully rotated heads")
+    norms = [RMSNorm(head_dim, eps=1e-6).to(DEV, dtype) for _ in range(2)]
+    with torch.no_grad():
+        for n in norms:
+            n.weight.copy_(torch.randn(head_dim) * 0.5 + 1)
     q, k, v = views(qkv.clone())
+    if qk_norm:
+        q, k = norms[0](q), norms[1](k)
     want_q, want_k = rope(pos, q.reshape(T, -1), k.reshape(T, -1))
     want_cache = cache.clone()
     write_kv_cache_reference(want_k.view(T, kv_heads, head_dim), v, want_cache, slots)
@@ -118,7 +128,8 @@ def test_rotary_fused_into_the_kv_write(dtype, cache_dtype, heads, kv_heads, hea
     buf = qkv.clone()
     got_cache = cache.clone()
     q, k, v = views(buf)
-    rotary_write_kv_cache_(pos, q, k, v, rope.cos_cache, rope.sin_cache, rotary_dim, got_cache, slots)
+    rotary_write_kv_cache_(pos, q, k, v, rope.cos_cache, rope.sin_cache, rotary_dim, got_cache, slots,
+                           qk_norm=(norms[0].weight, norms[1].weight, 1e-6) if qk_norm else None)
     _close(q.reshape(T, -1), want_q)
     _close(got_cache, want_cache)
     torch.testing.assert_close(buf[:, heads * head_dim:], qkv[:, heads * head_dim:], rtol=0, atol=0)  # k, v kept

@@ -18,8 +18,8 @@ from tandem import LLM, SamplingParams  # noqa: E402
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_triton_backend_matches_sdpa_and_warms_up(tiny_factory, arch):
-    """Also covers rotary fused into the KV write (Qwen3: after its per-head q/k norms) and
-    split-KV counts that follow the context."""
+    """Also covers rotary fused into the KV write (Qwen3: with its per-head q/k norms in the
+    same kernel) and split-KV counts that follow the context."""
     from tandem.kernels import fused
 
     tiny_model = tiny_factory(arch)
@@ -51,11 +51,17 @@ def test_triton_backend_matches_sdpa_and_warms_up(tiny_factory, arch):
         launches = []
         fused_write = fused.rotary_write_kv_cache_
         monkey = pytest.MonkeyPatch()
-        monkey.setattr(fused, "rotary_write_kv_cache_", lambda *a: launches.append(1) or fused_write(*a))
+
+        def fused_spy(*args, qk_norm=None):
+            launches.append(qk_norm is not None)
+            return fused_write(*args, qk_norm=qk_norm)
+
+        monkey.setattr(fused, "rotary_write_kv_cache_", fused_spy)
         try:
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         finally:
             monkey.undo()
     assert got == want
     assert launches, "rotary was not fused into the KV write"
+    assert all(launches) == (arch == "qwen3"), "Qwen3's q/k norms belong in the same kernel"
     assert 1 in picked and max(picked) > 1, f"split counts picked: {picked}"
