@@ -46,17 +46,18 @@ With few sequences the grid above leaves most SMs idle during decode. Axis 2 the
 each program's key tiles into ``num_kv_splits`` contiguous chunks (per sequence, so short
 sequences get empty chunks); each writes an unnormalised partial ``(max, sum, acc)`` in fp32
 and a second small kernel merges them per (token, head). The split count is a compile-time
-constant picked from ``max_seq_len``, batch size and SM count (only for ``max_query_len ==
-1`` by default; any batch is correct with splits, which the tests use).
+constant picked from ``max_seq_len`` (the longest context in the batch), batch size and SM
+count by ``tandem.kernels.splits`` (only for ``max_query_len == 1`` by default; any batch is
+correct with splits, which the tests use). One split launches no merge kernel.
 
 Graph safety
 ------------
 The wrappers never read tensor values on the host: launch shapes depend only on tensor
 shapes and the Python ints passed in (``max_query_len``, ``max_seq_len``,
 ``num_kv_splits``), outputs are written in place, and the split buffers are allocated from
-shapes (inside a graph they come from its private pool). Capture with fixed
-``max_query_len``/``max_seq_len`` (e.g. 1 and the model's max length) and pad the batch with
-``seq_lens == 0`` rows and negative slots.
+shapes (inside a graph they come from its private pool). Capture with a fixed
+``max_query_len`` and an explicit ``num_kv_splits`` (one graph per split count a batch may
+pick) and pad the batch with ``seq_lens == 0`` rows and negative slots.
 """
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from tandem.kernels.splits import choose_num_kv_splits
 
 __all__ = ["write_kv_cache", "paged_attention", "choose_num_kv_splits", "is_interpreting"]
 
@@ -375,25 +378,6 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
         HEAD_DIM_PAD=_next_pow2(d),
         num_warps=4 if kvh * d >= 1024 else 2,
     )
-
-
-def choose_num_kv_splits(
-    num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, num_sms: int,
-    *, waves: int = 4, min_split_tokens: int = 256, max_splits: int = 32,
-) -> int:
-    """Split-KV count for a batch (a power of two, so few variants get compiled).
-
-    Prefill/mixed batches have enough query tiles, so only pure-decode batches split: enough
-    (sequence, kv head, split) programs for about ``waves`` programs per SM, but no chunk
-    shorter than ``min_split_tokens`` keys (the merge then costs more than it hides). The
-    partial results are tiny next to the KV reads, so erring high is cheap."""
-    if max_query_len != 1 or num_seqs <= 0:
-        return 1
-    programs = num_seqs * num_kv_heads
-    want = -(-waves * num_sms // programs)
-    cap = max(1, max_seq_len // min_split_tokens)
-    splits = max(1, min(want, cap, max_splits))
-    return 1 << (splits.bit_length() - 1)  # round down to a power of two
 
 
 def paged_attention(

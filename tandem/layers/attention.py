@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+if TYPE_CHECKING:
+    from tandem.layers.norm import RMSNorm
+    from tandem.layers.rotary import RotaryEmbedding
 
 BACKENDS = ("sdpa", "triton")
 
@@ -149,10 +153,13 @@ def resolve_backend(name: str, device: torch.device) -> str:
 class Attention(torch.nn.Module):
     """Multi-head / grouped-query attention over the paged cache of one layer.
 
-    Inputs are flattened: ``q [T, num_heads * head_dim]``, ``k, v [T, num_kv_heads * head_dim]``
-    (rotary already applied). Without a forward context (or with no metadata) the whole
-    batch is treated as one causal sequence and nothing is cached; that keeps the layer
-    usable for a warm-up/profiling pass.
+    Inputs are flattened: ``q [T, num_heads * head_dim]``, ``k, v [T, num_kv_heads * head_dim]``.
+    Rotary is applied here when ``rope=(positions, rotary_emb)`` is given (else the caller
+    has applied it), after ``qk_norm=(q_norm, k_norm)``, an RMSNorm over each head (Qwen3),
+    when given: on the Triton path with fused kernels one launch normalizes and rotates q
+    and k and writes the KV cache, instead of up to four kernels. Without a forward
+    context (or with no metadata) the whole batch is treated as one causal sequence and
+    nothing is cached; that keeps the layer usable for a warm-up/profiling pass.
     """
 
     def __init__(
@@ -174,13 +181,23 @@ class Attention(torch.nn.Module):
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rope: Optional[tuple[torch.Tensor, RotaryEmbedding]] = None,
+                qk_norm: Optional[tuple[RMSNorm, RMSNorm]] = None) -> torch.Tensor:
         T = q.shape[0]
+        ctx = get_forward_context()
+        md = ctx.attn_metadata if ctx is not None else None
+        if rope is not None and md is not None and md.backend == "triton" and rope[1].fused:
+            assert ctx is not None
+            out = self._triton_rope(rope[0], rope[1], qk_norm, q, k, v, ctx.kv_caches[self.layer_idx], md)
+            return out.reshape(T, self.num_heads * self.head_dim)
+        if qk_norm is not None:
+            q, k = self._head_norms(qk_norm, q, k)
+        if rope is not None:
+            q, k = rope[1](rope[0], q, k)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        ctx = get_forward_context()
-        md = ctx.attn_metadata if ctx is not None else None
         if md is None:
             out = self._causal(q, k, v)
             return out.reshape(T, self.num_heads * self.head_dim)
@@ -194,9 +211,42 @@ class Attention(torch.nn.Module):
     # -- Triton ------------------------------------------------------------------
     def _triton(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
-        from tandem.kernels.attention import paged_attention, write_kv_cache
+        from tandem.kernels.attention import write_kv_cache
 
         write_kv_cache(k, v, kv, md.slot_mapping)
+        return self._paged(q, kv, md)
+
+    def _head_norms(self, qk_norm: tuple[RMSNorm, RMSNorm], q: torch.Tensor,
+                    k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm over each head of q and of k (flattened ``[T, heads * head_dim]`` in and out)."""
+        T = q.shape[0]
+        q = qk_norm[0](q.reshape(T, -1, self.head_dim)).reshape(T, -1)
+        k = qk_norm[1](k.reshape(T, -1, self.head_dim)).reshape(T, -1)
+        return q, k
+
+    def _triton_rope(self, positions: torch.Tensor, rotary: RotaryEmbedding,
+                     qk_norm: Optional[tuple[RMSNorm, RMSNorm]], q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, kv: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """(Per-head q/k norms,) rotary and the cache write in one kernel, then attention."""
+        from tandem.kernels.fused import rotary_write_kv_cache_
+
+        norm_args = None
+        if qk_norm is not None:
+            qn, kn = qk_norm
+            if rotary.rotary_dim == self.head_dim and qn.eps == kn.eps:
+                norm_args = (qn.weight, kn.weight, qn.eps)
+            else:  # the kernel norms only fully rotated heads with one eps
+                q, k = self._head_norms(qk_norm, q, k)
+        T = q.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        rotary_write_kv_cache_(positions, q, k.view(T, self.num_kv_heads, self.head_dim),
+                               v.view(T, self.num_kv_heads, self.head_dim), rotary.cos_cache, rotary.sin_cache,
+                               rotary.rotary_dim, kv, md.slot_mapping, qk_norm=norm_args)
+        return self._paged(q, kv, md)
+
+    def _paged(self, q: torch.Tensor, kv: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        from tandem.kernels.attention import paged_attention
+
         out = torch.empty_like(q)
         paged_attention(q, kv, out, query_start_loc=md.query_start_loc, seq_lens=md.seq_lens,
                         block_tables=md.block_tables, max_query_len=md.max_query_len,

@@ -75,10 +75,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, rotary, paged attention, output projection.
+    """Fused QKV projection, rotary (applied inside ``Attention``), paged attention, output projection.
 
-    Subclasses adjust q/k between the projection and rotary by overriding ``_qk_norm``
-    (Qwen3's per-head RMSNorm).
+    Subclasses normalize each head of q and k before rotary by overriding ``_qk_norms``
+    (Qwen3's per-head RMSNorm); the attention layer applies them, fused with rotary and
+    the KV-cache write on the Triton path.
     """
 
     def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
@@ -103,14 +104,15 @@ class LlamaAttention(nn.Module):
             sliding_window=get_layer_sliding_window(config, layer_idx),
         )
 
-    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
+    def _qk_norms(self) -> Optional[tuple[RMSNorm, RMSNorm]]:
+        """``(q_norm, k_norm)`` applied to each head before rotary, or None."""
+        return None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
-        q, k = self._qk_norm(q, k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        # The q/k norms and rotary are applied by the attention layer, which fuses them into
+        # the KV-cache write on the Triton path.
+        return self.o_proj(self.attn(q, k, v, rope=(positions, self.rotary_emb), qk_norm=self._qk_norms()))
 
 
 class LlamaDecoderLayer(nn.Module):

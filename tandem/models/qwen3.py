@@ -1,14 +1,14 @@
 """Qwen3: the Llama block plus a per-head RMSNorm on q and k before rotary.
 
 Everything else (fused projections, rotary, paged attention, weight mapping) is the Llama
-implementation; only the attention's ``_qk_norm`` hook differs. Qwen3 has no q/k/v bias
-unless ``config.attention_bias`` says so, which the Llama code already reads.
+implementation; only the attention's ``_qk_norms`` hook differs (the attention layer
+applies the norms, in the rotary + KV-write kernel on the Triton path). Qwen3 has no
+q/k/v bias unless ``config.attention_bias`` says so, which the Llama code already reads.
 """
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
@@ -22,11 +22,8 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        T = q.shape[0]
-        q = self.q_norm(q.reshape(T, -1, self.head_dim)).reshape(T, -1)
-        k = self.k_norm(k.reshape(T, -1, self.head_dim)).reshape(T, -1)
-        return q, k
+    def _qk_norms(self) -> tuple[RMSNorm, RMSNorm]:
+        return self.q_norm, self.k_norm
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

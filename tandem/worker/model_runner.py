@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from tandem.distributed import get_tp_rank, tp_broadcast
+from tandem.kernels.splits import MIN_SPLIT_TOKENS, choose_num_kv_splits, decode_split_counts
 from tandem.layers.attention import AttentionMetadata, set_forward_context
 from tandem.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, apply_token_bitmask, gather_logprobs
 from tandem.models.registry import CausalLM
@@ -128,10 +129,15 @@ class ModelRunner:
         # so every rank's token table (hence every rank's next input) stays identical.
         self.tp_rank = get_tp_rank()
         self.use_graphs = cuda_graphs and device.type == "cuda" and attention_backend == "triton"
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        # Decode graphs by (batch-size bucket, split-KV count): the split count follows the
+        # batch's longest context, and a graph bakes it in.
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph,
+                                                 tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self.graph_sizes: list[int] = graph_batch_sizes(max_num_seqs) if self.use_graphs else []
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.num_kv_heads = 1
+        # Shortest key chunk of a split-KV decode: contexts under twice this take one split.
+        self.min_split_tokens = MIN_SPLIT_TOKENS
         self.stats_graph_steps = 0
         self._pending: Optional[LaunchedForward] = None  # a constrained step's forward, until sampled
         self.bitmasks = BitmaskStager(max_num_seqs, device)
@@ -254,8 +260,10 @@ class ModelRunner:
             self.batch.block_table_device.view(-1).index_copy_(0, sb.view(blk_idx), sb.view(blk_val))
 
     def _forward(self, segs: BatchSegments, max_query_len: int, max_seq_len: int,
-                 qsl_host: Optional[np.ndarray], seq_lens_host: Optional[np.ndarray]) -> torch.Tensor:
-        """Gather the inputs from the token table and run the model (graph-capturable)."""
+                 qsl_host: Optional[np.ndarray], seq_lens_host: Optional[np.ndarray],
+                 num_kv_splits: int = 1) -> torch.Tensor:
+        """Gather the inputs from the token table and run the model (graph-capturable).
+        ``num_kv_splits`` is the decode batch's split-KV count (``_decode_splits``)."""
         sb = self.staging
         input_ids = self.batch.token_table.view(-1)[sb.view(segs.gather)]
         md = AttentionMetadata(
@@ -267,21 +275,29 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             backend=self.backend,
-            num_kv_splits=self._decode_splits(segs.rows.count) if max_query_len == 1 else 1,
+            num_kv_splits=num_kv_splits if max_query_len == 1 else 1,
             query_start_loc_host=qsl_host,
             seq_lens_host=seq_lens_host,
         )
         with set_forward_context(md, self.kv_caches):
             return self.model(input_ids, sb.view(segs.positions))
 
-    def _decode_splits(self, num_seqs: int) -> int:
-        """Split-KV count of a decode batch. It depends only on the (padded) batch size and
-        max_model_len, so a batch gives the same numbers whether a graph runs it or not."""
+    def _decode_splits(self, num_seqs: int, max_seq_len: int) -> int:
+        """Split-KV count of a decode batch of ``num_seqs`` sequences whose longest context
+        (after this step) is ``max_seq_len``. It depends only on the padded batch size (the
+        graph bucket) and that context, so a batch gives the same numbers whether a graph
+        runs it or not; short contexts get one split (no merge kernel)."""
         if self.backend != "triton":
             return 1
-        from tandem.kernels.attention import choose_num_kv_splits
+        return choose_num_kv_splits(self._bucket(num_seqs), self.num_kv_heads, 1, min(max_seq_len, self.max_model_len),
+                                    self.num_sms, min_split_tokens=self.min_split_tokens)
 
-        return choose_num_kv_splits(self._bucket(num_seqs), self.num_kv_heads, 1, self.max_model_len, self.num_sms)
+    def _split_variants(self, num_seqs: int) -> list[int]:
+        """The split counts ``_decode_splits`` can pick for a batch of this size (its graphs)."""
+        if self.backend != "triton":
+            return [1]
+        return decode_split_counts(self._bucket(num_seqs), self.num_kv_heads, self.max_model_len, self.num_sms,
+                                   min_split_tokens=self.min_split_tokens)
 
     def _bucket(self, num_seqs: int) -> int:
         return next((s for s in self.graph_sizes if s >= num_seqs), num_seqs)
@@ -305,23 +321,32 @@ class ModelRunner:
         scratch = self.batch.scratch_row
         n = self.max_num_seqs
         shapes = [[tokens], [max(1, tokens // 8)] * 8, [1] * (n - 1) + [max(1, tokens - n)], [1] * n]
-        for counts in shapes:
+        runs: list[tuple[list[int], Optional[int]]] = [(c, None) for c in shapes]
+        # Decode steps pick their split-KV count from the context: compile each count now, on
+        # one sequence (the extra splits of a context of 1 are empty, which is still correct).
+        runs += [([1], s) for s in self._split_variants(1)]
+        for counts, forced_splits in runs:
             counts_np = np.asarray(counts, dtype=np.int32)
             plan = StepPlan([None] * len(counts), np.full(len(counts), scratch, dtype=np.int32),  # type: ignore[list-item]
                             np.zeros(len(counts), dtype=np.int32), counts_np, np.zeros(len(counts), dtype=bool))
             self.staging.begin(0)
             segs, qsl, seq_lens = self._stage_batch(plan, plan.num_seqs)
             self.staging.upload()
-            hidden = self._forward(segs, int(counts_np.max()), int(seq_lens.max()), qsl, seq_lens)
+            max_q, max_len = int(counts_np.max()), int(seq_lens.max())
+            if forced_splits is not None:
+                splits = forced_splits
+            else:
+                splits = self._decode_splits(len(counts), max_len) if max_q == 1 else 1
+            hidden = self._forward(segs, max_q, max_len, qsl, seq_lens, splits)
             self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _graph_body(self, segs: BatchSegments) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _graph_body(self, segs: BatchSegments, num_kv_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A whole decode step up to sampling: forward, logits, and the greedy choice, which
         is written into the token table (sampling rows only; others hit the scratch row).
         A step that samples otherwise overwrites those ids after the replay."""
-        hidden = self._forward(segs, 1, self.max_model_len, None, None)
+        hidden = self._forward(segs, 1, self.max_model_len, None, None, num_kv_splits)
         logits = self.model.compute_logits(hidden)
         greedy = logits.argmax(dim=-1)
         self.batch.token_table.view(-1).index_copy_(0, self.staging.view(segs.dest), greedy)
@@ -335,7 +360,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        """One decode graph per batch-size bucket, largest first, sharing one memory pool.
+        """One decode graph per (batch-size bucket, split-KV count the bucket may pick),
+        largest bucket first, all sharing one memory pool. Small buckets get a graph per
+        context range (1 split for short contexts, more for long ones); buckets that fill
+        the GPU on their own get one.
 
         Each graph reads its inputs at the offsets ``_reserve_batch`` gives its size, from
         the staging device buffer, and the token and block tables; capture fills them with
@@ -355,16 +383,18 @@ class ModelRunner:
             qs[:] = np.arange(size + 1)
             dest[:] = scratch * self.batch.width
             sb.upload()
-            for _ in range(2):  # warm up: autotuning and lazy initialization outside capture
-                self._graph_body(segs)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                outputs = self._graph_body(segs)
-            pool = graph.pool()
-            self.graphs[size] = (graph, outputs)
+            for splits in reversed(self._split_variants(size)):
+                for _ in range(2):  # warm up: autotuning and lazy initialization outside capture
+                    self._graph_body(segs, splits)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    outputs = self._graph_body(segs, splits)
+                pool = graph.pool()
+                self.graphs[(size, splits)] = (graph, outputs)
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), self.graph_sizes)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s; split-KV counts per size: %s)", len(self.graphs),
+                    self.graph_sizes, {s: self._split_variants(s) for s in self.graph_sizes})
 
     # -- the step ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -398,14 +428,16 @@ class ModelRunner:
         sb.upload()
 
         self._apply_table_writes(writes)
-        all_rows = len(sample_idx) == plan.num_seqs and int(plan.counts.max()) == 1
+        max_query_len, max_seq_len = int(plan.counts.max()), int(seq_lens.max())
+        splits = self._decode_splits(plan.num_seqs, max_seq_len) if max_query_len == 1 else 1
+        all_rows = len(sample_idx) == plan.num_seqs and max_query_len == 1
         graph_logits = graph_ids = None
         if graph_size is not None:
-            graph, (hidden, graph_logits, graph_ids) = self.graphs[graph_size]
+            graph, (hidden, graph_logits, graph_ids) = self.graphs[(graph_size, splits)]
             graph.replay()
             self.stats_graph_steps += 1
         else:
-            hidden = self._forward(segs, int(plan.counts.max()), int(seq_lens.max()), qsl, seq_lens)
+            hidden = self._forward(segs, max_query_len, max_seq_len, qsl, seq_lens, splits)
 
         prompt_out = self._prompt_logprobs(plan, qsl, hidden)
         req_ids = [plan.states[i].req_id for i in sample_idx.tolist()]

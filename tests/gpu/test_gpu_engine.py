@@ -81,6 +81,44 @@ def test_fp32_gpu_greedy_equals_the_cpu_path(sharp_model):
     assert got == want
 
 
+def test_split_counts_follow_the_context_graphs_equal_eager(sharp_model, monkeypatch):
+    """Decode picks its split-KV count from the batch's longest context and replays the graph
+    captured for (bucket, count). Chunks of 16 keys make a short prompt's decode cross
+    1, 2 and 4 splits (short contexts take one split, no merge kernel) and long ones take
+    16; in fp32 the graphs, an eager Triton run and the CPU path all give the same greedy
+    tokens, batched and at batch 1."""
+    from tandem import SamplingParams
+
+    monkeypatch.setattr("tandem.worker.model_runner.MIN_SPLIT_TOKENS", 16)
+    prompts = _prompts(12, 3, 300, seed=4)
+    long_alone, short_alone = _prompts(1, 290, 300, seed=5), _prompts(1, 5, 5, seed=6)
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+    def run(llm) -> tuple[list[list[int]], ...]:
+        return _tokens(llm, prompts, sp), _tokens(llm, long_alone, sp), _tokens(llm, short_alone, sp)
+
+    with _llm(sharp_model, device="cpu", dtype="float32") as cpu:
+        want = run(cpu)
+    for eager in (True, False):
+        with _llm(sharp_model, dtype="float32", attention_backend="triton", enforce_eager=eager) as llm:
+            runner = llm.engine.core.executor.worker.runner
+            assert runner.min_split_tokens == 16
+            seen: list[int] = []
+            pick = runner._decode_splits
+
+            def spy(num_seqs: int, max_seq_len: int, pick=pick, seen=seen) -> int:
+                seen.append(pick(num_seqs, max_seq_len))
+                return seen[-1]
+
+            runner._decode_splits = spy
+            got = run(llm)
+            if not eager:
+                assert len({k[1] for k in runner.graphs}) > 1, f"one split count captured: {list(runner.graphs)}"
+                assert runner.stats_graph_steps > 0, "decode never ran through a CUDA graph"
+        assert {1, 2, 4, 16} <= set(seen), sorted(set(seen))
+        assert got == want, f"eager={eager}"
+
+
 def _first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 

@@ -1,4 +1,4 @@
-"""Compile the paged-attention kernels for sm_90 (H100/H200) without a GPU.
+"""Compile the paged-attention kernels (and rotary fused into the KV write) for sm_90 (H100/H200) without a GPU.
 
 The interpreter runs the kernels' Python, not Triton's compiler, so it cannot catch what
 only compilation rejects (loop-carried types, early returns, dot shapes, layouts). This
@@ -88,6 +88,17 @@ def main() -> None:
     compile_one(pa._write_kv_kernel,
                 {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*bf16", "slot_ptr": "*i64", "stride_ckv": "i64"},
                 dict(NUM_KV_HEADS=2, HEAD_DIM=128, KVH_PAD=2, HEAD_DIM_PAD=128), num_warps=2)
+    fused = importlib.import_module("tandem.kernels.fused")
+    rope_types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32",
+                  "sin_ptr": "*fp32", "cache_ptr": "*bf16", "slot_ptr": "*i64", "qn_ptr": "*bf16", "kn_ptr": "*bf16",
+                  "eps": "fp32", "stride_ckv": "i64"}
+    # rotary fused into the KV write: Qwen2-7B-like heads; Qwen3 (per-head q/k norm); partial rotary
+    for nq, nk, d, rot, qk_norm in ((28, 4, 128, 128, False), (16, 8, 128, 128, True), (14, 2, 64, 32, False)):
+        compile_one(fused._rotary_write_kv_kernel, rope_types,
+                    dict(QK_NORM=qk_norm, NUM_Q=nq, NUM_K=nk, HEAD_DIM=d, HALF=rot // 2, ROT_DIM=rot,
+                         Q_HEADS_PAD=triton.next_power_of_2(nq), K_HEADS_PAD=triton.next_power_of_2(nk),
+                         HALF_PAD=triton.next_power_of_2(rot // 2), HEAD_DIM_PAD=triton.next_power_of_2(d),
+                         TAIL_PAD=triton.next_power_of_2(max(1, d - rot))), num_warps=4)
     print("all compiled")
 
 

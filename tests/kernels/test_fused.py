@@ -85,6 +85,56 @@ def test_rotary_in_place_on_fused_qkv_views(dtype, heads, kv_heads, head_dim, ro
                                rtol=0, atol=0)  # v untouched
 
 
+@pytest.mark.parametrize("dtype,cache_dtype", [(d, d) for d in DTYPES] + [(torch.float16, torch.float32)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [(4, 2, 16, 16), (3, 1, 16, 8), (2, 2, 24, 16)]
+                         + ([(14, 2, 64, 64), (28, 4, 128, 128)] if HAS_CUDA else []))
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_fused_into_the_kv_write(dtype, cache_dtype, heads, kv_heads, head_dim, rotary_dim, qk_norm):
+    """One kernel = (Qwen3's per-head q/k RMSNorm,) eager rotary, then the KV write (the
+    reference), on views of one fused QKV output; padding tokens (slot -1) write nothing and
+    the rest of the cache is kept."""
+    from tandem.kernels.fused import rotary_write_kv_cache_
+    from tandem.kernels.reference import write_kv_cache_reference
+
+    _interpreted()
+    torch.manual_seed(3)
+    T = 9 if not HAS_CUDA else 300
+    block_size, num_blocks = 4, -(-T // 4) + 3
+    inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    rope = RotaryEmbedding(head_dim, rotary_dim, 4096, inv).to(DEV)
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, device=DEV, dtype=dtype)
+    pos = torch.randint(0, 4096, (T,), device=DEV)
+    slots = torch.randperm(num_blocks * block_size, device=DEV)[:T]
+    slots[1::4] = -1
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, device=DEV, dtype=cache_dtype)
+
+    def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        return q.view(T, heads, head_dim), k.view(T, kv_heads, head_dim), v.view(T, kv_heads, head_dim)
+
+    if qk_norm and rotary_dim != head_dim:
+        pytest.skip("the kernel norms only fully rotated heads")
+    norms = [RMSNorm(head_dim, eps=1e-6).to(DEV, dtype) for _ in range(2)]
+    with torch.no_grad():
+        for n in norms:
+            n.weight.copy_(torch.randn(head_dim) * 0.5 + 1)
+    q, k, v = views(qkv.clone())
+    if qk_norm:
+        q, k = norms[0](q), norms[1](k)
+    want_q, want_k = rope(pos, q.reshape(T, -1), k.reshape(T, -1))
+    want_cache = cache.clone()
+    write_kv_cache_reference(want_k.view(T, kv_heads, head_dim), v, want_cache, slots)
+
+    buf = qkv.clone()
+    got_cache = cache.clone()
+    q, k, v = views(buf)
+    rotary_write_kv_cache_(pos, q, k, v, rope.cos_cache, rope.sin_cache, rotary_dim, got_cache, slots,
+                           qk_norm=(norms[0].weight, norms[1].weight, 1e-6) if qk_norm else None)
+    _close(q.reshape(T, -1), want_q)
+    _close(got_cache, want_cache)
+    torch.testing.assert_close(buf[:, heads * head_dim:], qkv[:, heads * head_dim:], rtol=0, atol=0)  # k, v kept
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,D", [(3, 40)] + ([(256, 4864), (17, 8960)] if HAS_CUDA else []))
 def test_silu_and_mul(dtype, T, D):

@@ -293,6 +293,26 @@ def test_decode_gqa_and_splits(pa: ModuleType, heads: int, kv_heads: int) -> Non
     torch.testing.assert_close(split, one, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
+@pytest.mark.parametrize("max_len", [7, 16, 40, 70])
+def test_decode_with_the_split_count_the_runner_picks(pa: ModuleType, max_len: int) -> None:
+    """The model runner picks the split count from the batch's longest context (scaled down
+    here: 8-key chunks, so the counts change within interpreter-sized contexts). The picked
+    count, and every other count a graph of this bucket could bake in, match the reference;
+    all counts agree with one another to fp32 rounding."""
+    from tandem.kernels.splits import choose_num_kv_splits, decode_split_counts
+
+    lens = [max(1, max_len - d) for d in (0, 5, 13, 29)]
+    batch = make_batch([1] * len(lens), lens, heads=4, kv_heads=2, seed=max_len)
+    chunk = 8
+    picked = choose_num_kv_splits(len(lens), 2, 1, batch.max_seq_len, 64, min_split_tokens=chunk)
+    variants = decode_split_counts(len(lens), 2, 70, 64, min_split_tokens=chunk)
+    assert picked in variants
+    assert picked == (1 if max_len < 2 * chunk else max(s for s in variants if s <= max_len // chunk))
+    outs = {s: run_and_check(pa, batch, num_kv_splits=s, tile_n=16) for s in variants}
+    for s, out in outs.items():
+        torch.testing.assert_close(out, outs[1], atol=1e-5, rtol=1e-5, equal_nan=True, msg=f"{s} splits")
+
+
 @pytest.mark.parametrize("block_size,tile_n,head_dim,splits", [(4, 16, 32, 1), (16, 16, 16, 2), (32, 16, 16, 1),
                                                                (8, 32, 24, 2)])
 def test_block_and_tile_sizes(pa: ModuleType, block_size: int, tile_n: int, head_dim: int, splits: int) -> None:

@@ -16,8 +16,13 @@ from tandem import LLM, SamplingParams  # noqa: E402
 
 
 @pytest.mark.timeout(600)
-def test_triton_backend_matches_sdpa_and_warms_up(tiny_llama):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_triton_backend_matches_sdpa_and_warms_up(tiny_factory, arch):
+    """Also covers rotary fused into the KV write (Qwen3: with its per-head q/k norms in the
+    same kernel) and split-KV counts that follow the context."""
     from tandem.kernels import fused
+
+    tiny_model = tiny_factory(arch)
 
     if not torch.cuda.is_available() and type(fused._rms_norm_kernel).__name__ != "InterpretedFunction":
         pytest.skip("triton was imported before TRITON_INTERPRET was set in this process")
@@ -25,11 +30,38 @@ def test_triton_backend_matches_sdpa_and_warms_up(tiny_llama):
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     kw = dict(block_size=4, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16, dtype="float32",
               enforce_eager=True)
-    with LLM(tiny_llama, attention_backend="sdpa", **kw) as ref:
+    with LLM(tiny_model, attention_backend="sdpa", **kw) as ref:
         want = [o.outputs[0].token_ids for o in ref.generate(prompts, sp, use_tqdm=False)]
-    with LLM(tiny_llama, attention_backend="triton", **kw) as llm:
+    with LLM(tiny_model, attention_backend="triton", **kw) as llm:
         runner = llm.engine.core.executor.worker.runner
         assert runner.backend == "triton"
+        # Scale split-KV down to these contexts (a GPU of 64 SMs, 7-key chunks) so decode
+        # steps pick one split at short contexts and more as they grow, as on a GPU.
+        runner.num_sms, runner.min_split_tokens = 64, 7
+        picked: list[int] = []
+        pick = runner._decode_splits
+
+        def spy(num_seqs: int, max_seq_len: int) -> int:
+            picked.append(pick(num_seqs, max_seq_len))
+            return picked[-1]
+
+        runner._decode_splits = spy
         runner.warmup_kernels()  # on CUDA this runs at start-up; here it must at least run
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        picked.clear()
+        launches = []
+        fused_write = fused.rotary_write_kv_cache_
+        monkey = pytest.MonkeyPatch()
+
+        def fused_spy(*args, qk_norm=None):
+            launches.append(qk_norm is not None)
+            return fused_write(*args, qk_norm=qk_norm)
+
+        monkey.setattr(fused, "rotary_write_kv_cache_", fused_spy)
+        try:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        finally:
+            monkey.undo()
     assert got == want
+    assert launches, "rotary was not fused into the KV write"
+    assert all(launches) == (arch == "qwen3"), "Qwen3's q/k norms belong in the same kernel"
+    assert 1 in picked and max(picked) > 1, f"split counts picked: {picked}"
