@@ -49,6 +49,7 @@ from tandem.executor import Executor, create_executor
 from tandem.interrupts import deferred_interrupts
 from tandem.scheduler.kv_cache import KVCacheManager
 from tandem.scheduler.scheduler import Scheduler
+from tandem.scheduler.spec import SpecScheduling
 from tandem.structured_output import StructuredOutputManager
 from tandem.types.engine_output import EngineCoreOutput
 from tandem.types.request import Request
@@ -56,6 +57,11 @@ from tandem.types.runner_output import ModelRunnerOutput
 from tandem.types.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+def spec_scheduling(config: EngineConfig) -> Optional[SpecScheduling]:
+    sc = config.speculative_config
+    return None if sc is None else SpecScheduling(sc.num_speculative_tokens, sc.disable_by_batch_size)
 
 
 class EngineStallError(RuntimeError):
@@ -106,6 +112,7 @@ class EngineCore:
             max_num_batched_tokens=model_config.max_num_batched_tokens,
             max_model_len=model_config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            spec=spec_scheduling(config),
         )
         self.structured = StructuredOutputManager(config.structured_outputs_backend, model_config.tokenizer,
                                                   model_config.vocab_size, list(model_config.eos_token_ids))

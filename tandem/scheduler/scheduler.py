@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from tandem.scheduler.kv_cache import KVCacheManager
+from tandem.scheduler.spec import WAIT, SpecScheduling
 from tandem.types.engine_output import INVALID_REQUEST, EngineCoreOutput
 from tandem.types.request import Request, RequestStatus
 from tandem.types.runner_output import ModelRunnerOutput
@@ -74,6 +75,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool,
+        spec: Optional[SpecScheduling] = None,
     ) -> None:
         self.kv = kv_cache
         self.max_num_seqs = max_num_seqs
@@ -98,6 +100,7 @@ class Scheduler:
         self.waiting_for_grammar: list[Request] = []
         self.num_grammar_requests = 0
         self._outputs: list[EngineCoreOutput] = []
+        self.spec = spec  # speculative decoding (tandem.scheduler.spec), None: off
 
     # -- request lifecycle -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -182,6 +185,16 @@ class Scheduler:
             req.num_output_placeholders += 1
         return samples
 
+    def _account_spec(self, req: Request, start: int, k: int, new_blocks: list[int]) -> ScheduledRequest:
+        """A decode step that verifies ``k`` drafts (``tandem.scheduler.spec``)."""
+        assert self.spec is not None
+        correct = req.spec_steps_in_flight > 0
+        req.num_computed_tokens += 1 + k
+        req.num_inflight_steps += 1
+        self.spec.account(req, k)
+        return ScheduledRequest(req.request_id, start, 1 + k, new_blocks, True,
+                                num_draft_tokens=k, correct_drafts=correct)
+
     def take_outputs(self) -> list[EngineCoreOutput]:
         """Outputs of requests that ended outside a step (a grammar that did not compile)."""
         outs, self._outputs = self._outputs, []
@@ -228,6 +241,8 @@ class Scheduler:
         """
         running = self.running
         max_len = self.max_model_len
+        spec = self.spec
+        spec_on = spec is not None and spec.enabled_for_step(len(running))
         i = 0
         # The hot loop of every step: _at_end and _account inlined (this runs for every
         # running request, 256 times a step at full batch).
@@ -242,10 +257,19 @@ class Scheduler:
             start = req.num_computed_tokens
             n = min(n_tok - start, step.budget)
             assert n > 0, f"running request with nothing to compute: {req}"
-            new_blocks = self._allocate_or_preempt(req, n, step)
+            k = 0
+            if spec is not None and n == 1:
+                k = spec.num_drafts(req, n_out, n_tok, step.budget, max_len, spec_on)
+                if k == WAIT:
+                    i += 1
+                    continue
+            new_blocks = self._allocate_or_preempt(req, n + k, step)
             if new_blocks is None:
                 break  # req itself was preempted; nothing after it is left
-            step.add(req, ScheduledRequest(req.request_id, start, n, new_blocks, self._account(req, n)), n)
+            if k or req.spec_steps_in_flight:  # verifies drafts, or its position is optimistic
+                step.add(req, self._account_spec(req, start, k, new_blocks), 1 + k)
+            else:
+                step.add(req, ScheduledRequest(req.request_id, start, n, new_blocks, self._account(req, n)), n)
             i += 1
         # Requests past i were not visited (budget spent): count those that are ending too.
         step.num_ending += sum(1 for r in self.running[i:] if self._at_end(r))
@@ -311,6 +335,8 @@ class Scheduler:
             if self.num_grammar_requests:
                 out.grammar_req_ids = [sr.req_id for sr in step.scheduled
                                        if sr.samples and step.reqs[sr.req_id].grammar is not None]
+            if self.spec is not None:
+                out.num_draft_tokens = sum(sr.num_draft_tokens for sr in step.scheduled)
             self._step_reqs[out.step_id] = step.reqs
             self._next_step_id += 1
             self.stats.num_steps += 1
@@ -330,7 +356,12 @@ class Scheduler:
             assert req.num_inflight_steps >= 0
 
         outputs: dict[str, EngineCoreOutput] = {}
-        for k, rid in enumerate(result.req_ids):
+        req_ids = result.req_ids
+        if result.spec_token_ids is not None:  # a step that verified drafts
+            assert self.spec is not None
+            self.spec.apply(self, sched, result, step_reqs, outputs)
+            req_ids = []
+        for k, rid in enumerate(req_ids):
             req = step_reqs[rid]
             if req.status >= RequestStatus.FINISHED_STOPPED:  # req.is_finished, inlined (hot)
                 self.stats.num_dropped_tokens += 1
@@ -391,6 +422,8 @@ class Scheduler:
     def fail_step(self, sched: SchedulerOutput, error: str) -> list[EngineCoreOutput]:
         """A step raised: finish every live request it contained with an error."""
         step_reqs = self._step_reqs.pop(sched.step_id, {})
+        if sched.num_draft_tokens:
+            SpecScheduling.fail(sched, step_reqs)
         outs = []
         for req in step_reqs.values():
             req.num_inflight_steps -= 1

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+from tandem.config.speculative import SpeculativeConfig
 from tandem.distributed import get_tp_rank, tp_broadcast
 from tandem.layers.attention import AttentionMetadata, set_forward_context
 from tandem.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, apply_token_bitmask, gather_logprobs
@@ -37,6 +39,7 @@ from tandem.types.grammar import GrammarOutput
 from tandem.types.scheduler_output import SchedulerOutput
 from tandem.worker.async_output import AsyncModelOutput, HostBufferRing
 from tandem.worker.input_batch import CachedRequestState, InputBatch
+from tandem.worker.speculative import SampleLayout, SpecDecoder, VerifyInputs, sample_layout
 from tandem.worker.staging import BitmaskStager, Segment, StagingBuffer
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,8 @@ class StepPlan:
     starts: np.ndarray  # int32 [B] first position computed now
     counts: np.ndarray  # int32 [B] tokens computed now
     samples: np.ndarray  # bool [B]
+    drafts: Optional[np.ndarray] = None  # int32 [B] drafts verified (speculative decoding only)
+    correct: Optional[np.ndarray] = None  # bool [B] positions optimistic (tandem.worker.speculative)
 
     @property
     def num_seqs(self) -> int:
@@ -90,6 +95,8 @@ class LaunchedForward:
     sampling: Callable[[], SamplingMetadata]
     dest: torch.Tensor  # flat token-table index each sampled id is written to
     prompt_logprobs: dict[str, LogprobsTensors]
+    spec: Optional[VerifyInputs] = None  # speculative decoding: verify and propose after sampling
+    spec_rows: Optional[np.ndarray] = None  # rows (1 + k) of each sampling request, when it verified drafts
 
 
 class ModelRunner:
@@ -105,6 +112,7 @@ class ModelRunner:
         dtype: torch.dtype,
         attention_backend: str = "sdpa",
         cuda_graphs: bool = False,
+        speculative: Optional[SpeculativeConfig] = None,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
@@ -123,7 +131,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.host_ring = HostBufferRing(max_num_seqs, pinned=device.type == "cuda")
+        self.spec = (SpecDecoder(speculative, self.batch.max_rows, self.batch.width, device)
+                     if speculative is not None else None)
+        ring = max_num_seqs * (1 + (speculative.num_speculative_tokens if speculative is not None else 0))
+        self.host_ring = HostBufferRing(ring, pinned=device.type == "cuda")
         # With tensor parallelism only rank 0 samples; the others receive its ids by broadcast
         # so every rank's token table (hence every rank's next input) stays identical.
         self.tp_rank = get_tp_rank()
@@ -160,9 +171,12 @@ class ModelRunner:
         starts = np.empty(n, dtype=np.int32)
         counts = np.empty(n, dtype=np.int32)
         samples = np.empty(n, dtype=bool)
+        spec = self.spec
         for i, r in enumerate(so.requests):
             if r.new is not None:
                 st = batch.add(r.req_id, r.new, r.new_block_ids)
+                if spec is not None:
+                    spec.reset_row(st.row)
             else:
                 st = batch.requests.get(r.req_id)  # type: ignore[assignment]
                 if st is None:
@@ -173,7 +187,11 @@ class ModelRunner:
             starts[i] = r.num_computed_tokens
             counts[i] = r.num_scheduled_tokens
             samples[i] = r.samples
-        return StepPlan(states, rows, starts, counts, samples)
+        plan = StepPlan(states, rows, starts, counts, samples)
+        if spec is not None:
+            plan.drafts = np.fromiter((r.num_draft_tokens for r in so.requests), dtype=np.int32, count=n)
+            plan.correct = np.fromiter((r.correct_drafts for r in so.requests), dtype=bool, count=n)
+        return plan
 
     # -- 2. staging ----------------------------------------------------------------------
     def _reserve_batch(self, num_tokens: int, num_seqs: int) -> tuple[BatchSegments, list[np.ndarray]]:
@@ -390,39 +408,58 @@ class ModelRunner:
         segs, qsl, seq_lens = self._stage_batch(plan, graph_size or plan.num_seqs)
         writes = self._stage_table_writes()
         sample_idx = np.flatnonzero(plan.samples)
-        logits_rows = sb.put((qsl[1:] - 1)[sample_idx].astype(np.int64))
-        sample_dest = sb.put(plan.rows[sample_idx].astype(np.int64) * self.batch.width + seq_lens[sample_idx])
-        sampling, plain_greedy = self._stage_sampling(plan, sample_idx, seq_lens)
+        layout: Optional[SampleLayout] = None
+        if self.spec is not None:  # speculative decoding: 1 + k sampling rows per request
+            layout = sample_layout(sample_idx, plan.drafts, plan.counts, qsl, seq_lens)
+            row_idx, row_lens, rows_flat = layout.seq, layout.seq_lens, layout.logits_rows
+        else:
+            row_idx, row_lens, rows_flat = sample_idx, seq_lens[sample_idx], (qsl[1:] - 1)[sample_idx].astype(np.int64)
+        logits_rows = sb.put(rows_flat)
+        sample_dest = sb.put(plan.rows[row_idx].astype(np.int64) * self.batch.width + row_lens)
+        sampling, plain_greedy = self._stage_sampling(plan, row_idx, row_lens)
+        spec_staged = self._stage_spec(plan, layout, sample_idx, seq_lens) if layout is not None else None
         sb.upload()
 
         self._apply_table_writes(writes)
-        all_rows = len(sample_idx) == plan.num_seqs and int(plan.counts.max()) == 1
+        verify: Optional[VerifyInputs] = None
+        seq_lens_host = seq_lens
+        if spec_staged is not None:
+            verify, corr_rows, corrected = self._spec_inputs(plan, segs, sample_dest, spec_staged)
+            if corrected is not None:
+                seq_lens_host = corrected
+                sampling = partial(sampling, corr_rows)
+        n = len(row_idx)
+        all_rows = n == plan.num_seqs and int(plan.counts.max()) == 1
         graph_logits = graph_ids = None
         if graph_size is not None:
             graph, (hidden, graph_logits, graph_ids) = self.graphs[graph_size]
             graph.replay()
             self.stats_graph_steps += 1
         else:
-            hidden = self._forward(segs, int(plan.counts.max()), int(seq_lens.max()), qsl, seq_lens)
+            hidden = self._forward(segs, int(plan.counts.max()), int(seq_lens.max()), qsl, seq_lens_host)
 
         prompt_out = self._prompt_logprobs(plan, qsl, hidden)
         req_ids = [plan.states[i].req_id for i in sample_idx.tolist()]
-        n = len(sample_idx)
         if not n:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return AsyncModelOutput(so.step_id, req_ids, empty, None, prompt_out, self.copy_stream, self.host_ring)
         # Feed the device-side token table: step N+1 reads the sampled ids from here.
         dest = sb.view(segs.dest)[:n] if all_rows else sb.view(sample_dest)
         if graph_ids is not None and plain_greedy and not so.grammar_req_ids:
-            # The graph already chose and stored the greedy tokens.
+            # The graph already chose and stored the greedy tokens (no drafts: its steps have
+            # one token per sequence).
             sampled = graph_ids[:n] if all_rows else graph_ids[sb.view(logits_rows)]
+            if verify is not None and self.spec is not None:
+                self.spec.propose(self.batch.token_table, verify.rows, verify.base_len + 1, verify.window)
+                self.spec.last_rejected[verify.rows] = 0
             return AsyncModelOutput(so.step_id, req_ids, sampled, None, prompt_out, self.copy_stream, self.host_ring)
         if graph_logits is not None:
             logits = graph_logits[:n] if all_rows else graph_logits[sb.view(logits_rows)]
         else:
             h = hidden[:n] if all_rows else hidden[sb.view(logits_rows)]
             logits = self.model.compute_logits(h)  # every rank: the LM head gathers
-        forward = LaunchedForward(so.step_id, req_ids, logits, sampling, dest, prompt_out)
+        forward = LaunchedForward(so.step_id, req_ids, logits, sampling, dest, prompt_out, verify,
+                                  layout.num_rows if layout is not None and layout.num_drafts else None)
         if so.grammar_req_ids:
             self._pending = forward
             return None
@@ -451,9 +488,20 @@ class ModelRunner:
         else:
             sampled = torch.empty(len(fw.req_ids), dtype=torch.int64, device=self.device)
         tp_broadcast(sampled, src=0)
-        self.batch.token_table.view(-1).index_copy_(0, fw.dest, sampled)
+        table = self.batch.token_table
+        if fw.spec is None:
+            table.view(-1).index_copy_(0, fw.dest, sampled)
+            return AsyncModelOutput(fw.step_id, fw.req_ids, sampled, logprobs, fw.prompt_logprobs, self.copy_stream,
+                                    self.host_ring)
+        # Speculative decoding (every rank: the ids are the same everywhere): verify the
+        # drafts (read before the ids overwrite them), then propose after the emitted tokens.
+        assert self.spec is not None
+        num_emitted = self.spec.verify(table, fw.dest, sampled, fw.spec)
+        table.view(-1).index_copy_(0, fw.dest, sampled)
+        self.spec.propose(table, fw.spec.rows, fw.spec.base_len + num_emitted, fw.spec.window)
+        spec_out = (num_emitted, fw.spec_rows) if fw.spec_rows is not None else None
         return AsyncModelOutput(fw.step_id, fw.req_ids, sampled, logprobs, fw.prompt_logprobs, self.copy_stream,
-                                self.host_ring)
+                                self.host_ring, spec_out)
 
     def _bitmask_rows(self, grammar: GrammarOutput, req_ids: list[str]) -> torch.Tensor:
         """The bitmask laid out by sampled row (unconstrained rows all ones), on the device."""
@@ -468,9 +516,12 @@ class ModelRunner:
 
     # -- 4. sampling inputs ----------------------------------------------------------------
     def _stage_sampling(self, plan: StepPlan, sample_idx: np.ndarray,
-                        seq_lens: np.ndarray) -> tuple[Callable[[], SamplingMetadata], bool]:
-        """Stage the sampled rows' parameters. Returns a thunk that builds the metadata from
-        device views after the upload (only the settings some row uses travel), and whether
+                        row_lens: np.ndarray) -> tuple[Callable[..., SamplingMetadata], bool]:
+        """Stage the sampled rows' parameters (row ``r`` samples for the request at batch
+        index ``sample_idx[r]`` at sequence length ``row_lens[r]``: a request verifying
+        drafts has several rows). Returns a thunk that builds the metadata from device views
+        after the upload (only the settings some row uses travel; its optional argument moves
+        each row's length back on the device, see ``tandem.worker.speculative``), and whether
         the step is plain greedy (argmax alone decides: a decode graph's own choice stands)."""
         b = self.batch
         sb = self.staging
@@ -491,9 +542,9 @@ class ModelRunner:
             if len(seeded):
                 seg["seeded_rows"] = sb.put(seeded.astype(np.int64))
                 seg["seeds"] = sb.put(b.seed[rows[seeded]])
-                n_out = seq_lens[sample_idx] - b.num_prompt_tokens[rows]
+                n_out = row_lens - b.num_prompt_tokens[rows]
                 seg["output_index"] = sb.put(n_out[seeded].astype(np.int64))
-        n_out_all = seq_lens[sample_idx] - b.num_prompt_tokens[rows]
+        n_out_all = row_lens - b.num_prompt_tokens[rows]
         if (n_out_all < b.min_tokens[rows]).any():
             seg["min_tokens_rows"], seg["min_tokens_cols"] = self._stage_min_tokens(plan, sample_idx, n_out_all)
         if b.logit_bias:
@@ -509,7 +560,7 @@ class ModelRunner:
             seg["presence_penalty"] = sb.put(b.presence_penalty[rows])
             seg["pen_rows"] = sb.put(rows.astype(np.int64))
             seg["pen_plen"] = sb.put(b.num_prompt_tokens[rows].astype(np.int64))
-            seg["pen_slen"] = sb.put(seq_lens[sample_idx].astype(np.int64))
+            seg["pen_slen"] = sb.put(row_lens.astype(np.int64))
             max_p = int(b.num_prompt_tokens[rows].max())
             max_o = int(max(n_out_all.max(), 1))
         lp = b.num_logprobs[rows]
@@ -517,8 +568,13 @@ class ModelRunner:
         plain_greedy = (all_greedy and max_lp is None and not use_pen and "min_tokens_rows" not in seg
                         and "logit_bias_index" not in seg)
 
-        def build() -> SamplingMetadata:
+        def build(corr_rows: Optional[torch.Tensor] = None) -> SamplingMetadata:
             v = {k: sb.view(s) for k, s in seg.items()}
+            if corr_rows is not None:  # positions were optimistic (speculative decoding, async)
+                if "pen_slen" in v:
+                    v["pen_slen"] = v["pen_slen"] - corr_rows
+                if "output_index" in v:
+                    v["output_index"] = v["output_index"] - corr_rows[v["seeded_rows"]]
             md = SamplingMetadata(
                 temperature=v.get("temperature", torch.zeros(0, device=self.device)),
                 all_greedy=all_greedy,
@@ -567,6 +623,65 @@ class ModelRunner:
         out = table[rows[:, None], oi.clamp(max=width - 1)]
         out = torch.where(oi < s_len[:, None], out, self.vocab_size)
         return prompt, out
+
+    # -- speculative decoding (tandem.worker.speculative) -------------------------------------
+    def _stage_spec(self, plan: StepPlan, layout: SampleLayout, sample_idx: np.ndarray,
+                    seq_lens: np.ndarray) -> Optional[tuple[dict[str, Segment], int]]:
+        """Stage what verification, the proposer and the correction of optimistic positions
+        read; with the proposer's window (a host bound on every sampling request's length)."""
+        if not len(sample_idx):
+            return None
+        assert plan.correct is not None
+        sb = self.staging
+        m = layout.num_rows
+        first = np.cumsum(m) - m
+        j = np.arange(int(m.sum()), dtype=np.int64) - np.repeat(first, m)
+        segs = {
+            "row_seq": sb.put(np.repeat(np.arange(len(m), dtype=np.int64), m)),
+            "is_draft": sb.put((j < np.repeat(m - 1, m)).astype(np.int32)),
+            "first_row": sb.put(np.repeat(first, m)),
+            "rows": sb.put(plan.rows[sample_idx].astype(np.int64)),
+            "drafts": sb.put(layout.drafts),
+            "base_len": sb.put(seq_lens[sample_idx].astype(np.int64) - layout.drafts),
+        }
+        if plan.correct.any():
+            segs["flags"] = sb.put(plan.correct.astype(np.int64))
+            segs["tok_seq"] = sb.put(np.repeat(np.arange(plan.num_seqs, dtype=np.int64), plan.counts))
+            segs["row_b"] = sb.put(layout.seq)
+            segs["sample_idx"] = sb.put(sample_idx.astype(np.int64))
+        return segs, int(seq_lens[sample_idx].max()) + 1
+
+    def _spec_inputs(self, plan: StepPlan, segs: BatchSegments, sample_dest: Segment,
+                     staged: tuple[dict[str, Segment], int]
+                     ) -> tuple[VerifyInputs, Optional[torch.Tensor], Optional[np.ndarray]]:
+        """The verify inputs, after moving optimistic positions back on the device (async
+        scheduling after a verify step); with each sampling row's correction and the
+        corrected sequence lengths for the host (None: nothing was optimistic)."""
+        assert self.spec is not None
+        sb = self.staging
+        v = {k: sb.view(seg) for k, seg in staged[0].items()}
+        base_len = v["base_len"]
+        corr_rows = corrected = None
+        if "flags" in v:
+            B, T = plan.num_seqs, int(plan.counts.sum())
+            rows_b = sb.view(segs.rows)[:B]
+            corr = self.spec.corrections(rows_b, v["flags"])
+            tok_seq = v["tok_seq"]
+            SpecDecoder.correct_tokens(corr[tok_seq], sb.view(segs.positions)[:T], sb.view(segs.gather)[:T],
+                                       sb.view(segs.slots)[:T], rows_b.long()[tok_seq], self.batch.block_table_device,
+                                       self.block_size)
+            lens = sb.view(segs.seq_lens)[:B]
+            lens.sub_(corr.to(lens.dtype))
+            sb.view(segs.dest)[:B].sub_(corr)
+            corr_rows = corr[v["row_b"]]
+            sb.view(sample_dest).sub_(corr_rows)
+            base_len = base_len - corr[v["sample_idx"]]
+            # The SDPA backend loops over sequences on the host (on CUDA this waits for the
+            # device; the Triton backend reads the device lengths and does not).
+            corrected = lens.cpu().numpy().copy() if self.backend == "sdpa" else plan.starts + plan.counts
+        verify = VerifyInputs(v["row_seq"], v["is_draft"].bool(), v["first_row"], v["rows"], v["drafts"], base_len,
+                              staged[1])
+        return verify, corr_rows, corrected
 
     def _prompt_logprobs(self, plan: StepPlan, qsl: np.ndarray, hidden: torch.Tensor) -> dict[str, LogprobsTensors]:
         """Logprobs of each prompt position in this step's chunk (target = next prompt token)."""

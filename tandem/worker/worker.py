@@ -65,7 +65,8 @@ class Worker:
             use_fused_kernels(module)
         self.runner = ModelRunner(self.model, model_config.vocab_size, config.block_size, model_config.max_model_len,
                                   model_config.max_num_seqs, model_config.max_num_batched_tokens, self.device,
-                                  self.dtype, attention_backend=backend, cuda_graphs=graphs)
+                                  self.dtype, attention_backend=backend, cuda_graphs=graphs,
+                                  speculative=config.speculative_config)
 
     def block_bytes(self) -> int:
         return self.model_config.kv_block_bytes(self.config.block_size, self.config.tensor_parallel_size)
