@@ -163,6 +163,8 @@ class Scheduler:
     def _at_end(self, req: Request) -> bool:
         """Every remaining token of the request is already scheduled (case: one token too many)."""
         n_out = len(req.output_token_ids) + req.num_output_placeholders
+        if req.spec_steps_in_flight:  # its placeholders are a maximum: it may need more steps
+            return False
         return n_out >= req.max_tokens or req.num_tokens_with_placeholders >= self.max_model_len
 
     def _preempt(self, req: Request, preempted: list[str]) -> None:
@@ -251,7 +253,8 @@ class Scheduler:
             n_out = len(req.output_token_ids) + req.num_output_placeholders
             n_tok = len(req.prompt_token_ids) + n_out  # known tokens + placeholders
             if n_out >= req.max_tokens or n_tok >= max_len:  # _at_end
-                step.num_ending += 1
+                if not req.spec_steps_in_flight:  # (else it may still need steps: it keeps its slot)
+                    step.num_ending += 1
                 i += 1
                 continue  # stays running: its in-flight token will finish it
             start = req.num_computed_tokens
