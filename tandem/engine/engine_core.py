@@ -61,7 +61,10 @@ logger = logging.getLogger(__name__)
 
 def spec_scheduling(config: EngineConfig) -> Optional[SpecScheduling]:
     sc = config.speculative_config
-    return None if sc is None else SpecScheduling(sc.num_speculative_tokens, sc.disable_by_batch_size)
+    if sc is None:
+        return None
+    lookahead = sc.num_speculative_tokens if sc.method == "draft_model" else 0
+    return SpecScheduling(sc.num_speculative_tokens, sc.disable_by_batch_size, lookahead)
 
 
 class EngineStallError(RuntimeError):

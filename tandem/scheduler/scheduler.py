@@ -266,7 +266,8 @@ class Scheduler:
                 if k == WAIT:
                     i += 1
                     continue
-            new_blocks = self._allocate_or_preempt(req, n + k, step)
+            la = spec.lookahead(start + n + k, max_len) if spec is not None else 0
+            new_blocks = self._allocate_or_preempt(req, n + k + la, step)
             if new_blocks is None:
                 break  # req itself was preempted; nothing after it is left
             if k or req.spec_steps_in_flight:  # verifies drafts, or its position is optimistic
@@ -309,7 +310,8 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 n = step.budget
-            new_blocks = self.kv.allocate_slots(req, n, computed)
+            la = self.spec.lookahead(num_hit + n, self.max_model_len) if self.spec is not None else 0
+            new_blocks = self.kv.allocate_slots(req, n + la, computed)
             if new_blocks is None:
                 break
             self.waiting.popleft()

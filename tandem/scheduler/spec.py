@@ -49,10 +49,17 @@ class SpecStats:
 class SpecScheduling:
     """Draft counts per request (``num_drafts``) and the application of verify steps."""
 
-    def __init__(self, num_speculative_tokens: int, disable_by_batch_size: Optional[int]) -> None:
+    def __init__(self, num_speculative_tokens: int, disable_by_batch_size: Optional[int],
+                 num_lookahead_slots: int = 0) -> None:
         self.k = num_speculative_tokens
+        self.num_lookahead_slots = num_lookahead_slots
         self.disable_by_batch_size = disable_by_batch_size
         self.stats = SpecStats(accepted_per_position=[0] * num_speculative_tokens)
+
+    def lookahead(self, num_tokens: int, max_model_len: int) -> int:
+        """KV slots to allocate past a step's ``num_tokens`` positions: a draft model writes
+        its proposals' KV there (``tandem.worker.speculative.DraftProposer``)."""
+        return max(0, min(self.num_lookahead_slots, max_model_len - num_tokens))
 
     def enabled_for_step(self, num_running: int) -> bool:
         return self.disable_by_batch_size is None or num_running < self.disable_by_batch_size

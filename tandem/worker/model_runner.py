@@ -39,7 +39,7 @@ from tandem.types.grammar import GrammarOutput
 from tandem.types.scheduler_output import SchedulerOutput
 from tandem.worker.async_output import AsyncModelOutput, HostBufferRing
 from tandem.worker.input_batch import CachedRequestState, InputBatch
-from tandem.worker.speculative import SampleLayout, SpecDecoder, VerifyInputs, sample_layout
+from tandem.worker.speculative import DraftProposer, SampleLayout, SpecDecoder, VerifyInputs, sample_layout
 from tandem.worker.staging import BitmaskStager, Segment, StagingBuffer
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,7 @@ class ModelRunner:
         attention_backend: str = "sdpa",
         cuda_graphs: bool = False,
         speculative: Optional[SpeculativeConfig] = None,
+        draft_model: Optional[CausalLM] = None,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
@@ -131,7 +132,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.spec = (SpecDecoder(speculative, self.batch.max_rows, self.batch.width, device)
+        draft = (DraftProposer(draft_model, speculative.num_speculative_tokens, block_size, max_model_len,
+                               self.batch.width, attention_backend)
+                 if draft_model is not None and speculative is not None else None)
+        self.spec = (SpecDecoder(speculative, self.batch.max_rows, self.batch.width, device, draft)
                      if speculative is not None else None)
         ring = max_num_seqs * (1 + (speculative.num_speculative_tokens if speculative is not None else 0))
         self.host_ring = HostBufferRing(ring, pinned=device.type == "cuda")
@@ -146,6 +150,11 @@ class ModelRunner:
         self.stats_graph_steps = 0
         self._pending: Optional[LaunchedForward] = None  # a constrained step's forward, until sampled
         self.bitmasks = BitmaskStager(max_num_seqs, device)
+
+    def init_draft_kv_cache(self, num_blocks: int, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        """The draft model's cache (speculative decoding), in the same blocks as the target's."""
+        assert self.spec is not None and self.spec.draft is not None
+        self.spec.draft.init_kv_cache(num_blocks, num_layers, num_kv_heads, head_dim, self.dtype, self.device)
 
     def init_kv_cache(self, num_blocks: int, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_kv_heads = num_kv_heads
@@ -270,8 +279,10 @@ class ModelRunner:
             self.batch.block_table_device.view(-1).index_copy_(0, sb.view(blk_idx), sb.view(blk_val))
 
     def _forward(self, segs: BatchSegments, max_query_len: int, max_seq_len: int,
-                 qsl_host: Optional[np.ndarray], seq_lens_host: Optional[np.ndarray]) -> torch.Tensor:
-        """Gather the inputs from the token table and run the model (graph-capturable)."""
+                 qsl_host: Optional[np.ndarray], seq_lens_host: Optional[np.ndarray],
+                 draft: Optional[DraftProposer] = None) -> torch.Tensor:
+        """Gather the inputs from the token table and run the model (graph-capturable);
+        ``draft``: run the draft model over the same tokens instead, into its own cache."""
         sb = self.staging
         input_ids = self.batch.token_table.view(-1)[sb.view(segs.gather)]
         md = AttentionMetadata(
@@ -287,6 +298,9 @@ class ModelRunner:
             query_start_loc_host=qsl_host,
             seq_lens_host=seq_lens_host,
         )
+        if draft is not None:
+            with set_forward_context(md, draft.kv_caches):
+                return draft.model(input_ids, sb.view(segs.positions))
         with set_forward_context(md, self.kv_caches):
             return self.model(input_ids, sb.view(segs.positions))
 
@@ -437,6 +451,8 @@ class ModelRunner:
             self.stats_graph_steps += 1
         else:
             hidden = self._forward(segs, int(plan.counts.max()), int(seq_lens.max()), qsl, seq_lens_host)
+        if self.spec is not None and self.spec.draft is not None:  # the draft's cache follows the target's
+            self._forward(segs, int(plan.counts.max()), int(seq_lens.max()), qsl, seq_lens_host, self.spec.draft)
 
         prompt_out = self._prompt_logprobs(plan, qsl, hidden)
         req_ids = [plan.states[i].req_id for i in sample_idx.tolist()]
@@ -450,7 +466,8 @@ class ModelRunner:
             # one token per sequence).
             sampled = graph_ids[:n] if all_rows else graph_ids[sb.view(logits_rows)]
             if verify is not None and self.spec is not None:
-                self.spec.propose(self.batch.token_table, verify.rows, verify.base_len + 1, verify.window)
+                self.spec.propose(self.batch.token_table, verify.rows, verify.base_len + 1, verify.window,
+                                  self.batch.block_table_device)
                 self.spec.last_rejected[verify.rows] = 0
             return AsyncModelOutput(so.step_id, req_ids, sampled, None, prompt_out, self.copy_stream, self.host_ring)
         if graph_logits is not None:
@@ -498,7 +515,8 @@ class ModelRunner:
         assert self.spec is not None
         num_emitted = self.spec.verify(table, fw.dest, sampled, fw.spec)
         table.view(-1).index_copy_(0, fw.dest, sampled)
-        self.spec.propose(table, fw.spec.rows, fw.spec.base_len + num_emitted, fw.spec.window)
+        self.spec.propose(table, fw.spec.rows, fw.spec.base_len + num_emitted, fw.spec.window,
+                          self.batch.block_table_device)
         spec_out = (num_emitted, fw.spec_rows) if fw.spec_rows is not None else None
         return AsyncModelOutput(fw.step_id, fw.req_ids, sampled, logprobs, fw.prompt_logprobs, self.copy_stream,
                                 self.host_ring, spec_out)

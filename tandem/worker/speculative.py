@@ -92,9 +92,11 @@ class VerifyInputs:
 class SpecDecoder:
     """Per-worker state and device logic of speculative decoding (n-gram proposer)."""
 
-    def __init__(self, config: SpeculativeConfig, max_rows: int, width: int, device: torch.device) -> None:
-        if config.method != "ngram":
-            raise NotImplementedError(f"speculative method {config.method!r} is not implemented in this worker")
+    def __init__(self, config: SpeculativeConfig, max_rows: int, width: int, device: torch.device,
+                 draft: Optional["DraftProposer"] = None) -> None:
+        if config.method == "draft_model" and draft is None:
+            raise ValueError("speculative method 'draft_model' needs the draft model")
+        self.draft = draft
         self.k = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
@@ -138,8 +140,14 @@ class SpecDecoder:
         self.last_rejected[v.rows] = v.drafts + 1 - num_emitted
         return num_emitted
 
-    def propose(self, table: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, window: int) -> None:
-        """Write ``k`` n-gram drafts after each request's ``lengths`` known tokens."""
+    def propose(self, table: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, window: int,
+                block_table: Optional[torch.Tensor] = None) -> None:
+        """Write ``k`` drafts after each request's ``lengths`` known tokens (n-gram lookup, or
+        the draft model's greedy choices)."""
+        if self.draft is not None:
+            assert block_table is not None
+            self.draft.propose(table, block_table, rows, lengths, window)
+            return
         window = max(1, min(window, self.width))
         S = rows.shape[0]
         dev = table.device
@@ -165,3 +173,60 @@ class SpecDecoder:
         scratch = (table.shape[0] - 1) * self.width  # the scratch row: positions past the end go there
         idx = torch.where(pos < self.width, rows[:, None] * self.width + pos, scratch)
         table.view(-1).index_copy_(0, idx.reshape(-1), drafts.reshape(-1))
+
+
+class DraftProposer:
+    """Method ``draft_model``: a small model proposes ``k`` tokens greedily (a one-hot draft
+    distribution, so verification is exact rejection sampling, see the module doc).
+
+    Its KV cache lives in the target's blocks (the same block table and slots, in caches of
+    its own shape). Every target forward is mirrored by a draft forward over the same tokens
+    (``mirror``), so the draft's cache holds every position the target computed; after
+    verification ``propose`` runs ``k`` single-token steps from each request's last token.
+    The scheduler allocates ``k`` lookahead slots beyond every sampling step for them.
+    """
+
+    def __init__(self, model: torch.nn.Module, k: int, block_size: int, max_model_len: int, width: int,
+                 backend: str) -> None:
+        self.model = model
+        self.k = k
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.width = width
+        self.backend = backend
+        self.kv_caches: list[torch.Tensor] = []
+
+    def init_kv_cache(self, num_blocks: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device) -> None:
+        self.kv_caches = [torch.zeros(2, num_blocks, self.block_size, num_kv_heads, head_dim, dtype=dtype,
+                                      device=device) for _ in range(num_layers)]
+
+    def propose(self, table: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor,
+                window: int) -> None:
+        """Greedy drafts after each request's ``lengths`` known tokens, into the token table."""
+        from tandem.layers.attention import AttentionMetadata, set_forward_context
+
+        S = rows.shape[0]
+        dev = table.device
+        bs = self.block_size
+        flat = table.view(-1)
+        scratch = (table.shape[0] - 1) * self.width
+        qsl = torch.arange(S + 1, dtype=torch.int32, device=dev)
+        qsl_host = np.arange(S + 1, dtype=np.int32)
+        tables = block_table[rows]
+        tok = table[rows, (lengths - 1).clamp(0, self.width - 1)]
+        for i in range(self.k):
+            pos = (lengths - 1 + i).clamp(0, self.max_model_len - 1)
+            slots = tables.gather(1, (pos // bs)[:, None])[:, 0].long() * bs + pos % bs
+            lens = (pos + 1).to(torch.int32)
+            md = AttentionMetadata(
+                slot_mapping=slots, query_start_loc=qsl, seq_lens=lens, block_tables=tables, block_size=bs,
+                max_query_len=1, max_seq_len=min(window + i + 1, self.max_model_len), backend=self.backend,
+                query_start_loc_host=qsl_host,
+                # The SDPA backend loops on the host (a copy that waits on CUDA; Triton does not).
+                seq_lens_host=lens.cpu().numpy() if self.backend == "sdpa" else None)
+            with set_forward_context(md, self.kv_caches):
+                hidden = self.model(tok, pos)
+            tok = self.model.compute_logits(hidden).argmax(dim=-1)  # type: ignore[operator]
+            dst = lengths + i
+            flat.index_copy_(0, torch.where(dst < self.width, rows * self.width + dst, scratch), tok)
