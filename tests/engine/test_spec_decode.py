@@ -240,3 +240,65 @@ def test_sampling_keeps_target_distribution(tiny_llama):
     assert len(obs) >= 4, "too few tokens to test"
     stat, p = chisquare(obs, exp)
     assert math.isfinite(stat) and p > 0.001, f"chi-square {stat:.1f} over {len(obs)} bins, p={p:.2e}"
+
+
+# -- the draft_model method --------------------------------------------------------------------
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("setting", ["default", "preempt+chunked"])
+def test_draft_model_workload_equals_plain(engines, tiny_llama, tiny_factory, setting):
+    """Another (random) model as the draft (almost nothing accepted) and the target as its
+    own draft (greedy drafts of sampled requests: much accepted): outputs equal plain's."""
+    items = random_workload(4242, VOCAB, n_reqs=10)
+    plain = run_workload(engines(setting, False, False), items)
+    other = tiny_factory("llama", seed=1)
+    for draft, asyn in ((other, False), (other, True), (tiny_llama, True)):
+        e = make_engine(tiny_llama, asyn, False, **SETTINGS[setting], speculative_config={
+            "method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+        try:
+            got = run_workload(e, items)
+            st = spec_stats(e)
+        finally:
+            e.shutdown()
+        assert_same(plain.outputs, got.outputs, items)
+        assert st.num_draft_tokens > 0
+        if draft == tiny_llama:
+            assert st.num_accepted_tokens > 0.15 * st.num_draft_tokens, st
+
+
+@pytest.mark.timeout(120)
+def test_self_draft_accepts_every_greedy_draft(tiny_llama):
+    """Greedy requests with the target as its own draft: acceptance is 1 (up to float ties
+    between the draft's single-token and the target's multi-token forward)."""
+    for asyn in (False, True):
+        e = make_engine(tiny_llama, asyn, False, speculative_config={
+            "method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 4})
+        try:
+            params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+            for i in range(4):
+                e.add_request(f"g{i}", [3 + i, 9, 17, 4 + i], params)
+            while e.has_unfinished_requests():
+                e.step()
+            st = spec_stats(e)
+        finally:
+            e.shutdown()
+        assert st.num_draft_tokens > 50
+        assert st.num_accepted_tokens >= 0.98 * st.num_draft_tokens, st
+
+
+@pytest.mark.timeout(600)
+def test_embedded_model_self_draft(smol, default_model_folder):
+    """The embedded model as its own draft, sync and async: plain greedy's tokens, and
+    acceptance near 1."""
+    prompts, params = COPY_PROMPTS[:2], [SamplingParams(max_tokens=16, temperature=0.0)] * 2
+    plain = run_prompts(smol(False, False), prompts, params)
+    for asyn in (False, True):
+        e = LLMEngine(EngineConfig(model=default_model_folder, max_model_len=512, num_kv_blocks=128,
+                                   async_scheduling=asyn, speculative_config={
+                                       "method": "draft_model", "model": default_model_folder,
+                                       "num_speculative_tokens": 3}))
+        try:
+            assert run_prompts(e, prompts, params) == plain
+            st = spec_stats(e)
+        finally:
+            e.shutdown()
+        assert st.num_accepted_tokens >= 0.9 * st.num_draft_tokens, st
