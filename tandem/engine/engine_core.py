@@ -160,7 +160,18 @@ class EngineCore:
             num_preemptions=sched.stats.num_preemptions,
             num_steps_launched=self.stats.num_launched, num_steps_launched_ahead=self.stats.num_launched_ahead,
             num_step_errors=self.stats.num_errors, idle_seconds=idle_seconds,
+            **self.spec_decode_stats(),
         )
+
+    def spec_decode_stats(self) -> dict[str, Any]:
+        """Speculative decoding's totals (``CoreStats``' ``spec_*`` fields; empty without it)."""
+        spec = self.scheduler.spec
+        if spec is None:
+            return {}
+        st = spec.stats
+        return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
+                    spec_num_accepted_tokens=st.num_accepted_tokens,
+                    spec_accepted_per_position=list(st.accepted_per_position))
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue) or bool(self._undelivered)

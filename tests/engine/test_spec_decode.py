@@ -302,3 +302,26 @@ def test_embedded_model_self_draft(smol, default_model_folder):
         finally:
             e.shutdown()
         assert st.num_accepted_tokens >= 0.9 * st.num_draft_tokens, st
+
+
+@pytest.mark.timeout(120)
+def test_llm_counts_and_disable_by_batch_size(tiny_llama):
+    """``LLM.spec_decode_stats()`` has /metrics' counts; with ``disable_by_batch_size`` a
+    batch that large verifies no drafts (and a small one does), output unchanged."""
+    from tandem import LLM
+
+    prompts = [[5 + i, 6, 7, 8, 5 + i, 6, 7, 8, 5 + i, 6] for i in range(4)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLM(tiny_llama, num_kv_blocks=128, block_size=4) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.spec_decode_stats() == {}
+    for limit, expect_drafts in ((2, False), (8, True)):
+        with LLM(tiny_llama, num_kv_blocks=128, block_size=4,
+                 speculative_config={**NGRAM, "disable_by_batch_size": limit}) as llm:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            st = llm.spec_decode_stats()
+        assert got == plain
+        assert set(st) == {"spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens",
+                           "spec_accepted_per_position", "acceptance_rate"}
+        assert (st["spec_num_drafts"] > 0) == expect_drafts, (limit, st)
+        assert st["spec_num_accepted_tokens"] == sum(st["spec_accepted_per_position"])
