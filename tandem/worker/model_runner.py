@@ -499,7 +499,10 @@ class ModelRunner:
         logprobs: Optional[LogprobsTensors] = None
         if self.tp_rank == 0:
             if grammar is not None:
-                apply_token_bitmask(fw.logits, self._bitmask_rows(grammar, fw.req_ids))
+                mask = self._bitmask_rows(grammar, fw.req_ids)
+                if fw.spec is not None and fw.spec_rows is not None:  # rows by sampled row (a constrained
+                    mask = mask[fw.spec.row_seq]  # request verifies no drafts: it has one)
+                apply_token_bitmask(fw.logits, mask)
             result = self.sampler(fw.logits, fw.sampling())
             sampled, logprobs = result.sampled_token_ids, result.logprobs
         else:

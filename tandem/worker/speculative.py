@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -186,7 +186,7 @@ class DraftProposer:
     The scheduler allocates ``k`` lookahead slots beyond every sampling step for them.
     """
 
-    def __init__(self, model: torch.nn.Module, k: int, block_size: int, max_model_len: int, width: int,
+    def __init__(self, model: Any, k: int, block_size: int, max_model_len: int, width: int,
                  backend: str) -> None:
         self.model = model
         self.k = k
@@ -227,6 +227,6 @@ class DraftProposer:
                 seq_lens_host=lens.cpu().numpy() if self.backend == "sdpa" else None)
             with set_forward_context(md, self.kv_caches):
                 hidden = self.model(tok, pos)
-            tok = self.model.compute_logits(hidden).argmax(dim=-1)  # type: ignore[operator]
+            tok = self.model.compute_logits(hidden).argmax(dim=-1)
             dst = lengths + i
             flat.index_copy_(0, torch.where(dst < self.width, rows * self.width + dst, scratch), tok)

@@ -70,10 +70,11 @@ class Worker:
         self.draft_config = draft_model_config(config, model_config, check=False)
         draft: Optional[CausalLM] = None
         if self.draft_config is not None:
-            draft = cast(CausalLM, load_model(self.draft_config.folder, self.dtype, self.device,
-                                              hf_config=self.draft_config.hf_config))
+            draft_module = load_model(self.draft_config.folder, self.dtype, self.device,
+                                      hf_config=self.draft_config.hf_config)
             if backend == "triton":
-                use_fused_kernels(draft)
+                use_fused_kernels(draft_module)
+            draft = cast(CausalLM, draft_module)
         self.runner = ModelRunner(self.model, model_config.vocab_size, config.block_size, model_config.max_model_len,
                                   model_config.max_num_seqs, model_config.max_num_batched_tokens, self.device,
                                   self.dtype, attention_backend=backend, cuda_graphs=graphs,

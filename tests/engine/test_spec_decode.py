@@ -325,3 +325,23 @@ def test_llm_counts_and_disable_by_batch_size(tiny_llama):
                            "spec_accepted_per_position", "acceptance_rate"}
         assert (st["spec_num_drafts"] > 0) == expect_drafts, (limit, st)
         assert st["spec_num_accepted_tokens"] == sum(st["spec_accepted_per_position"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("setting", ["default", "preempt+chunked"])
+def test_constrained_and_speculating_requests_together(engines, setting):
+    """Half the requests under a grammar (they verify no drafts: their masks are built per
+    position on the host), the rest speculating, in the same steps: speculative sync and
+    async equal plain sync token for token, and the constraints hold."""
+    from engine_harness import assert_follow_constraints
+
+    items = random_workload(1234567, VOCAB, n_reqs=14, constrained=0.5)
+    assert sum(w.pattern is not None for w in items) >= 3
+    plain = run_workload(engines(setting, False, False), items)
+    for asyn in (False, True):
+        e = engines(setting, asyn, True)
+        drafted = spec_stats(e).num_draft_tokens
+        got = run_workload(e, items)
+        assert_same(plain.outputs, got.outputs, items)
+        assert_follow_constraints(got.outputs, items)
+        assert spec_stats(e).num_draft_tokens > drafted
