@@ -506,7 +506,7 @@ class ModelRunner:
             result = self.sampler(fw.logits, fw.sampling())
             sampled, logprobs = result.sampled_token_ids, result.logprobs
         else:
-            sampled = torch.empty(len(fw.req_ids), dtype=torch.int64, device=self.device)
+            sampled = torch.empty(fw.logits.shape[0], dtype=torch.int64, device=self.device)  # one per row
         tp_broadcast(sampled, src=0)
         table = self.batch.token_table
         if fw.spec is None:

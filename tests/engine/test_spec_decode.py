@@ -345,3 +345,26 @@ def test_constrained_and_speculating_requests_together(engines, setting):
         assert_same(plain.outputs, got.outputs, items)
         assert_follow_constraints(got.outputs, items)
         assert spec_stats(e).num_draft_tokens > drafted
+
+
+@pytest.mark.timeout(300)
+def test_multiproc_and_tensor_parallel(tiny_llama):
+    """Worker processes (outputs cross a process boundary) and two tensor-parallel ranks
+    (only rank 0 samples; every rank verifies and proposes from the broadcast ids), for both
+    methods: the same tokens as plain decoding in process."""
+    from tandem import LLM
+
+    prompts = [[5 + i, 6, 7, 8, 5 + i, 6, 7, 8, 5 + i, 6] for i in range(4)]
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=1.0, seed=3)] * 2
+    with LLM(tiny_llama, num_kv_blocks=128, block_size=4) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    draft = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3}
+    for kw in (dict(executor="multiproc", speculative_config=NGRAM),
+               dict(tensor_parallel_size=2, speculative_config=NGRAM),
+               dict(tensor_parallel_size=2, speculative_config=draft)):
+        with LLM(tiny_llama, num_kv_blocks=128, block_size=4, **kw) as llm:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            st = llm.spec_decode_stats()
+        assert got == plain, kw
+        assert st["spec_num_accepted_tokens"] > 0, kw
