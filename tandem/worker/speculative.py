@@ -128,7 +128,8 @@ class SpecDecoder:
                ) -> torch.Tensor:
         """Compare each row's token with the draft after it (read from the token table at
         the row's destination, before the caller scatters ``sampled`` there); return the
-        number of tokens each request emits ([S] int64, 1..1+k), and propose the next drafts."""
+        number of tokens each request emits ([S] int64, 1..1+k), and record each row's
+        rejected count (for the correction of steps scheduled behind this one)."""
         flat = table.view(-1)
         drafts = flat[dest]
         ok = (sampled == drafts) & v.is_draft_row

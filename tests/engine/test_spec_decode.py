@@ -180,7 +180,7 @@ def test_embedded_model_preemption_identity(smol):
     params = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)] * len(prompts)
     plain = run_prompts(smol(False, False), prompts, params)
     for asyn in (False, True):
-        e = smol(asyn, True, num_kv_blocks=14, block_size=16)
+        e = smol(asyn, True, num_kv_blocks=9, block_size=16)
         got = run_prompts(e, prompts, params)
         assert got == plain, f"async={asyn}"
         assert e.core.scheduler.stats.num_preemptions > 0
