@@ -67,6 +67,11 @@ def spec_scheduling(config: EngineConfig) -> Optional[SpecScheduling]:
     return SpecScheduling(sc.num_speculative_tokens, sc.disable_by_batch_size, lookahead)
 
 
+def _draft_counts(so: SchedulerOutput) -> dict[str, int]:
+    """Drafts each request of ``so`` verifies (speculative decoding; empty without)."""
+    return {sr.req_id: sr.num_draft_tokens for sr in so.requests if sr.num_draft_tokens} if so.num_draft_tokens else {}
+
+
 class EngineStallError(RuntimeError):
     """Unfinished requests exist but nothing can be scheduled and nothing is in flight."""
 
@@ -255,7 +260,8 @@ class EngineCore:
     def _grammars_current(self, so: SchedulerOutput) -> bool:
         """Every constrained request of ``so`` has received all its tokens before this step's
         (no other in-flight step samples it), so its bitmask can be filled now."""
-        return all(r.is_finished or r.num_output_placeholders <= 1
+        drafts = _draft_counts(so)
+        return all(r.is_finished or r.num_output_placeholders <= 1 + drafts.get(r.request_id, 0)
                    for r in self.scheduler.step_requests(so.step_id, so.grammar_req_ids))
 
     def _awaiting_sampling(self) -> bool:
@@ -265,8 +271,10 @@ class EngineCore:
         """Fill the step's bitmask and send ``sample_tokens``; a failure fails the step."""
         so = step.so
         try:
+            drafts = _draft_counts(so)
             grammar = self.structured.grammar_output(
-                so.step_id, so.grammar_req_ids, self.scheduler.step_requests(so.step_id, so.grammar_req_ids))
+                so.step_id, so.grammar_req_ids, self.scheduler.step_requests(so.step_id, so.grammar_req_ids),
+                [drafts.get(rid, 0) for rid in so.grammar_req_ids] if drafts else None)
         except Exception as e:
             failed: Future[ModelRunnerOutput] = Future()
             failed.set_exception(e)

@@ -390,6 +390,8 @@ class Scheduler:
             else:
                 self.kv.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
 
+        if result.draft_token_ids:  # (speculative decoding, constrained requests)
+            SpecScheduling.note_drafts(result, step_reqs)
         starts = {sr.req_id: sr.num_computed_tokens for sr in sched.requests} if result.prompt_logprobs else {}
         for rid, plps in result.prompt_logprobs.items():
             req = step_reqs[rid]

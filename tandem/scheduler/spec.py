@@ -12,9 +12,11 @@ is in flight has positions that are optimistic by that step's rejected count, an
 worker, which knows the count on the device, subtracts it (``ScheduledRequest.correct_drafts``).
 
 ``k`` is capped so that no step can emit past ``max_tokens`` or ``max_model_len`` (counting
-every placeholder as a token), and is 0 for constrained requests (their masks are per
-position and built on the host), for prefill chunks, and in steps with at least
-``disable_by_batch_size`` running requests.
+every placeholder as a token), and is 0 for prefill chunks and in steps with at least
+``disable_by_batch_size`` running requests. A constrained request speculates too: the
+worker returns the drafts it proposed for it (``note_drafts``), and the engine core masks
+each draft position with the grammar's state after the drafts before it, cutting drafts the
+grammar refuses (``StructuredOutputManager.grammar_output``).
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ class SpecScheduling:
         device knows yet; waiting one step for it keeps the host's mask exact."""
         if req.spec_steps_in_flight and len(req.output_token_ids) < req.sampling_params.min_tokens:
             return WAIT
-        if not on or req.grammar is not None:
+        if not on:
             return 0
         return max(0, min(self.k, req.max_tokens - n_out - 1, max_model_len - n_tok - 1, budget - 1))
 
@@ -82,6 +84,16 @@ class SpecScheduling:
         req.num_output_placeholders += 1 + k
         if k:
             req.spec_steps_in_flight += 1
+
+    @staticmethod
+    def note_drafts(result: ModelRunnerOutput, step_reqs: dict[str, Request]) -> None:
+        """Keep the drafts the worker proposed for constrained requests (their next masks
+        cover the draft positions)."""
+        assert result.draft_token_ids is not None
+        for rid, drafts in result.draft_token_ids.items():
+            req = step_reqs.get(rid)
+            if req is not None:
+                req.spec_drafts = drafts
 
     def apply(self, sched: "Scheduler", so: SchedulerOutput, result: ModelRunnerOutput,
               step_reqs: dict[str, Request], outputs: dict[str, EngineCoreOutput]) -> None:

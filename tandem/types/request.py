@@ -77,6 +77,9 @@ class Request:
         # counted ``1 + k`` placeholders, the most it can emit; the rest are taken back, and
         # ``num_computed_tokens`` corrected, when its tokens arrive).
         self.spec_steps_in_flight = 0
+        # The drafts the worker proposed after this request's latest step, when its grammar
+        # must see them (a constrained request's masks cover its draft positions).
+        self.spec_drafts: Optional[list[int]] = None
 
     @property
     def num_prompt_tokens(self) -> int:

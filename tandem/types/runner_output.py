@@ -31,3 +31,5 @@ class ModelRunnerOutput:
     # with req_ids; ``sampled_token_ids`` then holds each one's first token.
     spec_token_ids: Optional[list[list[int]]] = None
     spec_logprobs: Optional[list[list[SampledLogprobs]]] = None
+    # Speculative decoding: the drafts proposed for each constrained request's next step.
+    draft_token_ids: Optional[dict[str, list[int]]] = None

@@ -61,6 +61,7 @@ class AsyncModelOutput:
         copy_stream: Optional[torch.cuda.Stream],
         ring: Optional[HostBufferRing] = None,
         spec: Optional[tuple[torch.Tensor, np.ndarray]] = None,
+        drafts: Optional[tuple[torch.Tensor, list[tuple[str, int]]]] = None,
     ) -> None:
         """``spec``: a step that verified drafts: the number of tokens each request emits
         (device) and its number of sampled rows (host); ``sampled`` then has one id per row."""
@@ -73,6 +74,10 @@ class AsyncModelOutput:
         self._spec_rows = spec[1] if spec is not None else None
         if spec is not None:
             tensors.append(spec[0])
+        # Constrained requests' next drafts ([S, k] for every sampling request; (id, index) of those wanted).
+        self._draft_of = drafts[1] if drafts is not None else None
+        if drafts is not None:
+            tensors.append(drafts[0])
         if logprobs is not None:
             tensors += [logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
         for lp in prompt_logprobs.values():
@@ -115,6 +120,10 @@ class AsyncModelOutput:
         if self._spec_rows is not None:
             emitted = host[0].tolist()
             k = 1
+        if self._draft_of is not None:
+            proposed = host[k].tolist()
+            out.draft_token_ids = {rid: proposed[i] for rid, i in self._draft_of}
+            k += 1
         if self._has_logprobs:
             out.logprobs = _to_lists(host[k], host[k + 1], host[k + 2])
             k += 3

@@ -22,6 +22,7 @@ never takes the decode graph's own greedy choice (it ignored the grammar).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -97,6 +98,7 @@ class LaunchedForward:
     prompt_logprobs: dict[str, LogprobsTensors]
     spec: Optional[VerifyInputs] = None  # speculative decoding: verify and propose after sampling
     spec_rows: Optional[np.ndarray] = None  # rows (1 + k) of each sampling request, when it verified drafts
+    row_counts: Optional[np.ndarray] = None  # the same whenever speculation is on (bitmask layout)
 
 
 class ModelRunner:
@@ -149,7 +151,7 @@ class ModelRunner:
         self.num_kv_heads = 1
         self.stats_graph_steps = 0
         self._pending: Optional[LaunchedForward] = None  # a constrained step's forward, until sampled
-        self.bitmasks = BitmaskStager(max_num_seqs, device)
+        self.bitmasks = BitmaskStager(ring, device)  # a row per sampled row (1 + k per request)
 
     def init_draft_kv_cache(self, num_blocks: int, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         """The draft model's cache (speculative decoding), in the same blocks as the target's."""
@@ -476,7 +478,8 @@ class ModelRunner:
             h = hidden[:n] if all_rows else hidden[sb.view(logits_rows)]
             logits = self.model.compute_logits(h)  # every rank: the LM head gathers
         forward = LaunchedForward(so.step_id, req_ids, logits, sampling, dest, prompt_out, verify,
-                                  layout.num_rows if layout is not None and layout.num_drafts else None)
+                                  layout.num_rows if layout is not None and layout.num_drafts else None,
+                                  layout.num_rows if layout is not None else None)
         if so.grammar_req_ids:
             self._pending = forward
             return None
@@ -497,12 +500,15 @@ class ModelRunner:
         """Rank 0 masks (constrained steps) and samples; every rank gets the ids and writes
         them into its token table."""
         logprobs: Optional[LogprobsTensors] = None
+        verify = fw.spec
+        mask = None
+        if grammar is not None and fw.row_counts is not None:  # every rank: the cut is part of verification
+            mask, cut = self._grammar_rows(grammar, fw)
+            if verify is not None:  # drafts the grammar refuses are never accepted
+                verify = dataclasses.replace(verify, is_draft_row=verify.is_draft_row & cut)
         if self.tp_rank == 0:
             if grammar is not None:
-                mask = self._bitmask_rows(grammar, fw.req_ids)
-                if fw.spec is not None and fw.spec_rows is not None:  # rows by sampled row (a constrained
-                    mask = mask[fw.spec.row_seq]  # request verifies no drafts: it has one)
-                apply_token_bitmask(fw.logits, mask)
+                apply_token_bitmask(fw.logits, mask if mask is not None else self._bitmask_rows(grammar, fw.req_ids))
             result = self.sampler(fw.logits, fw.sampling())
             sampled, logprobs = result.sampled_token_ids, result.logprobs
         else:
@@ -515,14 +521,45 @@ class ModelRunner:
                                     self.host_ring)
         # Speculative decoding (every rank: the ids are the same everywhere): verify the
         # drafts (read before the ids overwrite them), then propose after the emitted tokens.
-        assert self.spec is not None
-        num_emitted = self.spec.verify(table, fw.dest, sampled, fw.spec)
+        assert self.spec is not None and verify is not None
+        num_emitted = self.spec.verify(table, fw.dest, sampled, verify)
         table.view(-1).index_copy_(0, fw.dest, sampled)
-        self.spec.propose(table, fw.spec.rows, fw.spec.base_len + num_emitted, fw.spec.window,
-                          self.batch.block_table_device)
+        lengths = verify.base_len + num_emitted
+        self.spec.propose(table, verify.rows, lengths, verify.window, self.batch.block_table_device)
         spec_out = (num_emitted, fw.spec_rows) if fw.spec_rows is not None else None
+        drafts = None
+        if grammar is not None:  # the engine core builds the next masks over these drafts
+            pos = {rid: i for i, rid in enumerate(fw.req_ids)}
+            cols = (lengths[:, None] + torch.arange(self.spec.k, device=self.device)).clamp(max=self.batch.width - 1)
+            drafts = (table[verify.rows[:, None], cols], [(rid, pos[rid]) for rid in grammar.req_ids])
         return AsyncModelOutput(fw.step_id, fw.req_ids, sampled, logprobs, fw.prompt_logprobs, self.copy_stream,
-                                self.host_ring, spec_out)
+                                self.host_ring, spec_out, drafts)
+
+    def _grammar_rows(self, grammar: GrammarOutput, fw: LaunchedForward) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative decoding: the bitmask by sampled row (``1 + k`` per request), on the
+        device, and which rows' drafts the grammar allows ([R] bool); the flags travel as one
+        more column of the staged bitmask."""
+        counts = fw.row_counts
+        assert counts is not None
+        first = (np.cumsum(counts) - counts).tolist()
+        pos = {rid: i for i, rid in enumerate(fw.req_ids)}
+        n_rows = grammar.num_rows or [1] * len(grammar.req_ids)
+        valid = grammar.num_valid_drafts or [0] * len(grammar.req_ids)
+        words = grammar.bitmask.shape[1]
+        ext = torch.empty((grammar.bitmask.shape[0], words + 1), dtype=torch.int32)
+        ext[:, :words] = grammar.bitmask
+        rows: list[int] = []
+        g = 0
+        for c, rid in enumerate(grammar.req_ids):
+            s = pos.get(rid)
+            if s is None or int(counts[s]) != n_rows[c]:
+                raise RuntimeError(f"step {grammar.step_id}: bitmask rows of {rid!r} do not match its sampled rows")
+            m = n_rows[c]
+            rows += range(first[s], first[s] + m)
+            ext[g:g + m, words] = (torch.arange(m) < valid[c]).to(torch.int32)
+            g += m
+        dev = self.bitmasks.stage(ext, rows, int(counts.sum()))
+        return dev[:, :words].contiguous(), dev[:, words] != 0
 
     def _bitmask_rows(self, grammar: GrammarOutput, req_ids: list[str]) -> torch.Tensor:
         """The bitmask laid out by sampled row (unconstrained rows all ones), on the device."""

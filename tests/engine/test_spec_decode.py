@@ -12,6 +12,7 @@ accepted). A chi-square test checks the distribution of unseeded sampling.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -330,9 +331,9 @@ def test_llm_counts_and_disable_by_batch_size(tiny_llama):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("setting", ["default", "preempt+chunked"])
 def test_constrained_and_speculating_requests_together(engines, setting):
-    """Half the requests under a grammar (they verify no drafts: their masks are built per
-    position on the host), the rest speculating, in the same steps: speculative sync and
-    async equal plain sync token for token, and the constraints hold."""
+    """Half the requests under a grammar (their draft positions masked by it), the rest
+    unconstrained, in the same steps: speculative sync and async equal plain sync token for
+    token, and the constraints hold."""
     from engine_harness import assert_follow_constraints
 
     items = random_workload(1234567, VOCAB, n_reqs=14, constrained=0.5)
@@ -368,3 +369,67 @@ def test_multiproc_and_tensor_parallel(tiny_llama):
             st = llm.spec_decode_stats()
         assert got == plain, kw
         assert st["spec_num_accepted_tokens"] > 0, kw
+
+
+@pytest.mark.timeout(300)
+def test_constrained_requests_verify_drafts_under_their_grammar(tiny_llama):
+    """Constrained requests speculate too: each draft position is masked by the grammar's
+    state after the drafts before it, and drafts the grammar refuses are cut. Prompts whose
+    n-gram drafts the grammar allows (accepted) and refuses (cut): same tokens as plain
+    decoding, sync and async (xgrammar: llguidance cannot read the tiny models' tokenizer;
+    ``test_embedded_constrained_speculation`` runs both on the embedded model)."""
+    from engine_harness import TINY_CONSTRAINTS, tiny_text
+
+    regex, pattern = TINY_CONSTRAINTS[0]  # (t2[0-9]?|t3[0-9]?)+
+    prompts = [[2, 3, 20, 2, 3, 20, 2, 3, 20, 2, 3],  # drafts the grammar allows
+               [40, 41, 42, 40, 41, 42, 40, 41]]  # drafts it refuses
+    params = SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=regex)
+    runs = {}
+    for spec, asyn in ((False, False), (True, False), (True, True)):
+        e = make_engine(tiny_llama, asyn, spec)
+        try:
+            for i, p in enumerate(prompts):
+                e.add_request(f"c{i}", p, params)
+            done = {}
+            while e.has_unfinished_requests():
+                for out in e.step():
+                    if out.finished:
+                        done[out.request_id] = out.outputs[0]
+            runs[(spec, asyn)] = [(done[f"c{i}"].token_ids, done[f"c{i}"].finish_reason) for i in range(2)]
+            st = spec_stats(e) if spec else None
+        finally:
+            e.shutdown()
+        if st is not None:
+            assert st.num_draft_tokens > 0 and st.num_accepted_tokens > 0, st
+    assert runs[(True, False)] == runs[(False, False)] == runs[(True, True)]
+    for ids, reason in runs[(False, False)]:
+        assert reason != "error" and re.fullmatch(pattern, tiny_text([t for t in ids if t != 1])), ids
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_embedded_constrained_speculation(default_model_folder, backend):
+    """A JSON schema on the real model, asked to copy a JSON object: the constrained request
+    verifies n-gram drafts under its grammar (many accepted) and emits plain decoding's tokens."""
+    import json
+
+    from tandem import LLM
+    from tandem.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+                                               "population": {"type": "integer"}},
+              "required": ["city", "country", "population"]}
+    messages = [{"role": "user", "content": 'Return this JSON object exactly: {"city": "Paris", "country": "France", '
+                                            '"population": 2100000}'}]
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
+    outs = {}
+    for spec in (None, NGRAM):
+        with LLM(default_model_folder, max_model_len=512, num_kv_blocks=64, structured_outputs_backend=backend,
+                 speculative_config=spec) as llm:
+            out = llm.chat([messages], params, use_tqdm=False)[0].outputs[0]
+            outs[spec is not None] = (out.token_ids, out.text)
+            st = llm.spec_decode_stats()
+        if spec is not None:
+            assert st["spec_num_accepted_tokens"] > 0, st
+    assert outs[True] == outs[False]
+    assert set(json.loads(outs[False][1])) == {"city", "country", "population"}

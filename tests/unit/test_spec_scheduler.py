@@ -154,7 +154,7 @@ def test_a_request_whose_verify_step_is_in_flight_keeps_its_slot():
     assert "a" in by_id(so3) and "b" not in by_id(so3)
 
 
-def test_constrained_requests_verify_no_drafts():
+def test_constrained_requests_speculate_with_the_drafts_the_worker_returned():
     class Always:
         is_ready, error = True, None
 
@@ -166,6 +166,9 @@ def test_constrained_requests_verify_no_drafts():
     req.grammar = Always()  # type: ignore[assignment]
     s.add_request(req)
     so = s.schedule()
-    s.update_from_output(so, verify_output(so, {}))
+    out = verify_output(so, {})
+    out.draft_token_ids = {"g": [4, 5, 6]}
+    s.update_from_output(so, out)
+    assert req.spec_drafts == [4, 5, 6]  # what the engine core masks the next step's positions with
     so = s.schedule()
-    assert by_id(so)["g"].num_draft_tokens == 0 and so.grammar_req_ids == ["g"]
+    assert by_id(so)["g"].num_draft_tokens == 3 and so.grammar_req_ids == ["g"]
