@@ -67,6 +67,10 @@ def _check_fits(folder: str, draft: ModelConfig, name: str, config: EngineConfig
         if not avail:
             return
     if need > avail:
-        raise ValueError(f"the draft model {name!r} needs {need / _GIB:.2f} GiB for its weights, but only "
-                         f"{avail / _GIB:.2f} GiB of {draft.device} memory is available; use a smaller draft model")
-    logger.info("draft model %s: %.2f GiB of weights", name, need / _GIB)
+        raise ValueError(f"the draft model {name!r} needs {_size(need)} for its weights, but only {_size(avail)} of "
+                         f"{draft.device} memory is available; use a smaller draft model")
+    logger.info("draft model %s: %s of weights", name, _size(need))
+
+
+def _size(n: int) -> str:
+    return f"{n / _GIB:.2f} GiB" if n >= _GIB else f"{n / (1 << 20):.2f} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
