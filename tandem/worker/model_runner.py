@@ -26,7 +26,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import numpy as np
 import torch
@@ -147,6 +147,8 @@ class ModelRunner:
         self.use_graphs = cuda_graphs and device.type == "cuda" and attention_backend == "triton"
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self.graph_sizes: list[int] = graph_batch_sizes(max_num_seqs) if self.use_graphs else []
+        self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self.spec_graph_limit = 64  # largest batch a verify graph is captured for
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.num_kv_heads = 1
         self.stats_graph_steps = 0
@@ -222,7 +224,7 @@ class ModelRunner:
         np.cumsum(plan.counts, out=qsl[1:])
         T = int(qsl[-1])
         seq_lens = plan.starts + plan.counts
-        pad_tokens = T if pad_seqs == B else pad_seqs
+        pad_tokens = T if pad_seqs == B else pad_seqs * (T // B)  # (a graph's batch: T // B tokens each)
         segs, (gather, positions, slots, rows, sl, qs, dest) = self._reserve_batch(pad_tokens, pad_seqs)
         scratch = self.batch.scratch_row * self.batch.width
         if T == B:  # every sequence has one token: no repeat needed
@@ -374,29 +376,77 @@ class ModelRunner:
         a harmless batch (sequences of length 1 in block 0, no cache writes).
         """
         pool = None
-        sb = self.staging
-        scratch = self.batch.scratch_row
         for size in reversed(self.graph_sizes):
-            sb.begin(0)
-            segs, (gather, positions, slots, rows, sl, qs, dest) = self._reserve_batch(size, size)
-            gather[:] = scratch * self.batch.width
-            positions[:] = 0
-            slots[:] = -1
-            rows[:] = scratch
-            sl[:] = 1
-            qs[:] = np.arange(size + 1)
-            dest[:] = scratch * self.batch.width
-            sb.upload()
-            for _ in range(2):  # warm up: autotuning and lazy initialization outside capture
-                self._graph_body(segs)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                outputs = self._graph_body(segs)
+            graph, outputs = self._capture(size, 1, self._graph_body, pool)
             pool = graph.pool()
-            self.graphs[size] = (graph, outputs)
+            self.graphs[size] = (graph, cast("tuple[torch.Tensor, torch.Tensor, torch.Tensor]", outputs))
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), self.graph_sizes)
+        if self.spec is not None:
+            self._capture_verify_graphs(pool)
+
+    def _capture(self, size: int, q: int, body: Callable[[BatchSegments], tuple[torch.Tensor, ...]],
+                 pool: Any) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+        """Capture ``body`` on a harmless batch of ``size`` sequences of ``q`` tokens each
+        (scratch row, block 0, no cache writes), at the staging offsets of that shape."""
+        sb = self.staging
+        scratch = self.batch.scratch_row
+        sb.begin(0)
+        segs, (gather, positions, slots, rows, sl, qs, dest) = self._reserve_batch(size * q, size)
+        gather[:] = scratch * self.batch.width
+        positions[:] = 0
+        slots[:] = -1
+        rows[:] = scratch
+        sl[:] = q
+        qs[:] = np.arange(size + 1) * q
+        dest[:] = scratch * self.batch.width
+        sb.upload()
+        for _ in range(2):  # warm up: autotuning and lazy initialization outside capture
+            body(segs)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = body(segs)
+        return graph, outputs
+
+    # -- CUDA graphs of verify steps (speculative decoding; GPU-only, see tests/gpu) ----------
+    def _verify_graph_body(self, segs: BatchSegments) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verify step up to the logits: every sequence has ``1 + k`` query tokens."""
+        assert self.spec is not None
+        hidden = self._forward(segs, 1 + self.spec.k, self.max_model_len, None, None)
+        return hidden, self.model.compute_logits(hidden)
+
+    def _capture_verify_graphs(self, pool: Any) -> None:
+        """Graphs of the uniform verify batch (every request ``1 + k`` tokens), for the
+        decode buckets up to 64 sequences (above, batches are compute-bound and usually
+        have ``disable_by_batch_size`` turn speculation off). A capture that fails leaves
+        verify steps eager."""
+        assert self.spec is not None
+        q = 1 + self.spec.k
+        limit = self.spec_graph_limit
+        sizes = [s for s in self.graph_sizes if s <= limit]
+        try:
+            for size in reversed(sizes):
+                graph, outputs = self._capture(size, q, self._verify_graph_body, pool)  # type: ignore[arg-type]
+                pool = graph.pool()
+                self.verify_graphs[size] = (graph, outputs)
+            torch.cuda.synchronize(self.device)
+        except Exception as e:  # never fail start-up for an optimization
+            logger.warning("verify steps run eagerly: capturing their CUDA graphs failed (%s)", e)
+            self.verify_graphs.clear()
+            return
+        logger.info("captured %d verify CUDA graphs (%d tokens per sequence, batch sizes %s)",
+                    len(self.verify_graphs), q, sizes)
+
+    def _verify_graph_size(self, plan: StepPlan) -> Optional[int]:
+        """The bucket of a uniform verify batch that a captured graph can run, else None."""
+        if not self.verify_graphs or self.spec is None or plan.drafts is None:
+            return None
+        q = 1 + self.spec.k
+        if (plan.num_seqs > max(self.verify_graphs) or int(plan.counts.min()) != q or int(plan.counts.max()) != q
+                or not plan.samples.all()):
+            return None
+        return self._bucket(plan.num_seqs)
 
     # -- the step ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -419,9 +469,10 @@ class ModelRunner:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return AsyncModelOutput(so.step_id, [], empty, None, {}, self.copy_stream, self.host_ring)
         graph_size = self._graph_size(plan)
+        verify_size = self._verify_graph_size(plan) if graph_size is None and self.verify_graphs else None
         sb = self.staging
         sb.begin(0)
-        segs, qsl, seq_lens = self._stage_batch(plan, graph_size or plan.num_seqs)
+        segs, qsl, seq_lens = self._stage_batch(plan, graph_size or verify_size or plan.num_seqs)
         writes = self._stage_table_writes()
         sample_idx = np.flatnonzero(plan.samples)
         layout: Optional[SampleLayout] = None
@@ -450,6 +501,10 @@ class ModelRunner:
         if graph_size is not None:
             graph, (hidden, graph_logits, graph_ids) = self.graphs[graph_size]
             graph.replay()
+            self.stats_graph_steps += 1
+        elif verify_size is not None:
+            vgraph, (hidden, graph_logits) = self.verify_graphs[verify_size]
+            vgraph.replay()
             self.stats_graph_steps += 1
         else:
             hidden = self._forward(segs, int(plan.counts.max()), int(seq_lens.max()), qsl, seq_lens_host)

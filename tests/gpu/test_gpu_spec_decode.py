@@ -1,6 +1,7 @@
 """Speculative decoding on a CUDA device (skipped elsewhere; written without a GPU at hand,
-issue 20): the verify steps (eager), the pure-decode steps between them (CUDA graphs, whose
-static inputs the async correction rewrites in place), the device-side proposers and the
+issue 20): the verify steps (CUDA graphs of the uniform ``1 + k`` batch, eager otherwise),
+the pure-decode steps between them (CUDA graphs, whose static inputs the async correction
+rewrites in place), the device-side proposers and the
 correction give the CPU path's tokens in fp32, and launch without a hidden synchronization.
 """
 from __future__ import annotations
@@ -35,8 +36,12 @@ def test_fp32_spec_equals_cpu_plain(sharp_model, method, async_scheduling):
         want = _tokens(cpu, prompts, sp)
     with _llm(sharp_model, device="cuda", dtype="float32", attention_backend="triton",
               async_scheduling=async_scheduling, speculative_config=spec) as gpu:
+        runner = gpu.engine.core.executor.worker.runner
+        graph_steps = runner.stats_graph_steps
         got = _tokens(gpu, prompts, sp)
         stats = gpu.spec_decode_stats()
+        assert runner.verify_graphs, "no verify step graph was captured"
+        assert runner.stats_graph_steps > graph_steps
     assert got == want
     assert stats["spec_num_accepted_tokens"] > 0
 
