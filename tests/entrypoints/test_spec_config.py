@@ -62,7 +62,7 @@ def test_draft_model_that_does_not_fit(tiny_llama, monkeypatch):
     monkeypatch.setattr(draft, "available_memory_bytes", lambda: 1024)
     msg = one_line_error(LLM, tiny_llama, num_kv_blocks=64, speculative_config={
         "method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3})
-    assert "GiB for its weights" in msg and "is available" in msg, msg
+    assert "for its weights, but only 1 KiB of cpu memory is available" in msg, msg
 
 
 @pytest.mark.parametrize("value, words", [
