@@ -52,10 +52,13 @@ def _python(u: Unit, marker: str) -> bool:
 RUN = {
     "generate_chat": lambda u: _cmd(u, "tandem", "generate") and "--chat" in u.argv,
     "generate_tp": lambda u: _cmd(u, "tandem", "generate") and "--tensor-parallel-size" in u.argv,
-    "serve": lambda u: _cmd(u, "tandem", "serve"),
+    "serve": lambda u: _cmd(u, "tandem", "serve") and "--speculative-config" not in u.argv,
     "curl": lambda u: _cmd(u, "curl"),
     "bench_serve": lambda u: _cmd(u, "tandem", "bench", "serve"),
-    "use_snippet": lambda u: _python(u, "from tandem import LLM") and "StructuredOutputsParams" not in u.text,
+    "use_snippet": lambda u: (_python(u, "from tandem import LLM") and "StructuredOutputsParams" not in u.text
+                              and "speculative_config" not in u.text),
+    "spec_snippet": lambda u: _python(u, "speculative_config"),
+    "generate_spec": lambda u: _cmd(u, "tandem", "generate") and "--speculative-config" in u.argv,
     "structured_snippet": lambda u: _python(u, "StructuredOutputsParams"),
     "generate_choice": lambda u: _cmd(u, "tandem", "generate") and "--structured-outputs" in u.argv,
     "openai_snippet": lambda u: _python(u, "from openai import OpenAI"),
@@ -76,6 +79,9 @@ SKIP = [
      "the package layout: a diagram, not a command"),
     (lambda u: isinstance(u, Command) and "TOK" in u.env,
      "reads /v1/models' tokenizer folder for the client commands (tests/server/test_client_fields.py checks it)"),
+    (lambda u: _cmd(u, "tandem", "serve") and "--speculative-config" in u.argv,
+     "needs a draft model at /models/small, which does not exist here (tests/server/test_spec_decode_server.py "
+     "serves with speculation)"),
     (lambda u: _cmd(u, "lm_eval") or _cmd(u, "guidellm") or _cmd(u, "aiperf"),
      "third-party clients, large optional installs: tests/server/test_client_tools.py runs them when installed"),
 ]
@@ -179,6 +185,21 @@ def test_choice_example_answers_one_of_the_choices(tmp_path):
     r = run(argv, CMD_TIMEOUT_S, cwd=tmp_path)
     assert r.returncode == 0, describe(r)
     assert r.stdout.strip() in choices, describe(r)
+
+
+@pytest.mark.timeout(600)
+def test_speculative_decoding_examples(tmp_path):
+    """The Python snippet prints its answer and counts that verified drafts; the command's
+    text equals the same command without speculation."""
+    r = run_python(the("spec_snippet").text, tmp_path / "spec.py", CMD_TIMEOUT_S)
+    assert r.returncode == 0, describe(r)
+    stats = r.stdout.strip().splitlines()[-1]
+    assert "'spec_num_drafts'" in stats and "'acceptance_rate'" in stats, describe(r)
+    argv = the("generate_spec").argv
+    spec = run(argv, CMD_TIMEOUT_S, cwd=tmp_path)
+    assert spec.returncode == 0, describe(spec)
+    plain = run(without(argv, "--speculative-config"), CMD_TIMEOUT_S, cwd=tmp_path)
+    assert plain.returncode == 0 and spec.stdout == plain.stdout and spec.stdout.strip(), describe(spec)
 
 
 # -- the server: started once, used by the client examples, stopped by the last test ---------

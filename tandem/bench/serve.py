@@ -34,6 +34,7 @@ from tandem.bench.arrivals import ARRIVALS, arrival_offsets, resolve_arrival
 from tandem.bench.datasets import (DatasetError, SampleRequest, load_file_dataset, random_requests,
                                    to_text_prompts)
 from tandem.bench.metrics import BenchmarkMetrics, compute_metrics, parse_goodput, parse_percentiles
+from tandem.bench.spec_metrics import fetch_spec_counters
 from tandem.bench.records import RequestRecord
 from tandem.bench.structured import constrain, load_schema
 from tandem.bench.tokenizers import BenchTokenizer, TokenizerError
@@ -132,6 +133,8 @@ class BenchmarkResult:
     duration_s: float
     start_time: float  # perf_counter at the first send, for per-request offsets
     date: str
+    # The server's speculative decoding during the run (tandem.bench.spec_metrics), if any.
+    spec_decode: Optional[dict[str, Any]] = None
 
     def per_request(self) -> dict[str, list[Any]]:
         """Per-request arrays, index-aligned with the workload."""
@@ -170,6 +173,7 @@ class BenchmarkResult:
             "duration_s": self.duration_s,
             "config": cfg,
             "metrics": self.metrics.to_dict(),
+            "spec_decode": self.spec_decode,
             "requests": self.per_request(),
         })
 
@@ -316,11 +320,14 @@ async def run_benchmark(config: BenchmarkConfig,
         logger.info("sending %d requests (%s, max concurrency %s)", len(samples), pace,
                     config.max_concurrency or "unlimited")
         date = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+        spec_before = await fetch_spec_counters(session, config.base_url, _headers(config))
         records, t0, duration = await _paced_run(session, config, client_cfg, samples)
+        spec_after = await fetch_spec_counters(session, config.base_url, _headers(config))
     metrics = compute_metrics(records, duration, config.percentiles, config.goodput_slos_ms)
     _log_failures(records)
+    spec = spec_after.minus(spec_before).to_dict() if spec_after is not None and spec_before is not None else None
     return BenchmarkResult(config=config, model=model, requests=samples, records=records,
-                           metrics=metrics, duration_s=duration, start_time=t0, date=date)
+                           metrics=metrics, duration_s=duration, start_time=t0, date=date, spec_decode=spec)
 
 
 async def run_sweep(config: BenchmarkConfig, concurrencies: Sequence[int]) -> list[BenchmarkResult]:
@@ -395,6 +402,16 @@ def format_summary(result: BenchmarkResult) -> str:
         row(f"Std {short} (ms):", stats.std, ".2f")
         for key, value in stats.percentiles.items():
             row(f"P{key[1:]} {short} (ms):", value, ".2f")
+    if result.spec_decode is not None and result.spec_decode["num_drafts"]:
+        sd = result.spec_decode
+        section("Speculative Decoding")
+        row("Acceptance rate (%):", sd["acceptance_rate"] * 100, ".2f")
+        row("Acceptance length:", sd["mean_acceptance_length"], ".2f")
+        row("Drafts:", sd["num_drafts"])
+        row("Draft tokens:", sd["num_draft_tokens"])
+        row("Accepted tokens:", sd["num_accepted_tokens"])
+        for pos, rate in enumerate(sd["acceptance_rate_per_position"]):
+            row(f"Acceptance rate, position {pos} (%):", rate * 100, ".2f")
     lines.append("=" * width)
     return "\n".join(lines)
 

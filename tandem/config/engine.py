@@ -13,6 +13,7 @@ from typing import Literal, NamedTuple, Optional
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from tandem.config.speculative import SpeculativeConfig
 from tandem.validation import INT64_MAX, INT64_MIN, StrictModel, show
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,9 @@ class EngineConfig(StrictModel):
     structured_outputs_backend: Literal["xgrammar", "guidance"] = Field(
         "xgrammar", description="grammar library of structured outputs (JSON schema, regex, choice, grammar): "
                                 "xgrammar or guidance (llguidance)")
+    speculative_config: Optional[SpeculativeConfig] = Field(
+        None, description="speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                          "(method ngram: prompt_lookup_min/max; draft_model: model; disable_by_batch_size)")
 
     @field_validator("block_size")
     @classmethod

@@ -49,6 +49,7 @@ from tandem.executor import Executor, create_executor
 from tandem.interrupts import deferred_interrupts
 from tandem.scheduler.kv_cache import KVCacheManager
 from tandem.scheduler.scheduler import Scheduler
+from tandem.scheduler.spec import SpecScheduling
 from tandem.structured_output import StructuredOutputManager
 from tandem.types.engine_output import EngineCoreOutput
 from tandem.types.request import Request
@@ -56,6 +57,19 @@ from tandem.types.runner_output import ModelRunnerOutput
 from tandem.types.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+def spec_scheduling(config: EngineConfig) -> Optional[SpecScheduling]:
+    sc = config.speculative_config
+    if sc is None:
+        return None
+    lookahead = sc.num_speculative_tokens if sc.method == "draft_model" else 0
+    return SpecScheduling(sc.num_speculative_tokens, sc.disable_by_batch_size, lookahead)
+
+
+def _draft_counts(so: SchedulerOutput) -> dict[str, int]:
+    """Drafts each request of ``so`` verifies (speculative decoding; empty without)."""
+    return {sr.req_id: sr.num_draft_tokens for sr in so.requests if sr.num_draft_tokens} if so.num_draft_tokens else {}
 
 
 class EngineStallError(RuntimeError):
@@ -106,6 +120,7 @@ class EngineCore:
             max_num_batched_tokens=model_config.max_num_batched_tokens,
             max_model_len=model_config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            spec=spec_scheduling(config),
         )
         self.structured = StructuredOutputManager(config.structured_outputs_backend, model_config.tokenizer,
                                                   model_config.vocab_size, list(model_config.eos_token_ids))
@@ -150,7 +165,18 @@ class EngineCore:
             num_preemptions=sched.stats.num_preemptions,
             num_steps_launched=self.stats.num_launched, num_steps_launched_ahead=self.stats.num_launched_ahead,
             num_step_errors=self.stats.num_errors, idle_seconds=idle_seconds,
+            **self.spec_decode_stats(),
         )
+
+    def spec_decode_stats(self) -> dict[str, Any]:
+        """Speculative decoding's totals (``CoreStats``' ``spec_*`` fields; empty without it)."""
+        spec = self.scheduler.spec
+        if spec is None:
+            return {}
+        st = spec.stats
+        return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
+                    spec_num_accepted_tokens=st.num_accepted_tokens,
+                    spec_accepted_per_position=list(st.accepted_per_position))
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue) or bool(self._undelivered)
@@ -234,7 +260,8 @@ class EngineCore:
     def _grammars_current(self, so: SchedulerOutput) -> bool:
         """Every constrained request of ``so`` has received all its tokens before this step's
         (no other in-flight step samples it), so its bitmask can be filled now."""
-        return all(r.is_finished or r.num_output_placeholders <= 1
+        drafts = _draft_counts(so)
+        return all(r.is_finished or r.num_output_placeholders <= 1 + drafts.get(r.request_id, 0)
                    for r in self.scheduler.step_requests(so.step_id, so.grammar_req_ids))
 
     def _awaiting_sampling(self) -> bool:
@@ -244,8 +271,10 @@ class EngineCore:
         """Fill the step's bitmask and send ``sample_tokens``; a failure fails the step."""
         so = step.so
         try:
+            drafts = _draft_counts(so)
             grammar = self.structured.grammar_output(
-                so.step_id, so.grammar_req_ids, self.scheduler.step_requests(so.step_id, so.grammar_req_ids))
+                so.step_id, so.grammar_req_ids, self.scheduler.step_requests(so.step_id, so.grammar_req_ids),
+                [drafts.get(rid, 0) for rid in so.grammar_req_ids] if drafts else None)
         except Exception as e:
             failed: Future[ModelRunnerOutput] = Future()
             failed.set_exception(e)

@@ -81,6 +81,12 @@ class CoreStats(msgspec.Struct, array_like=True):
     num_steps_launched_ahead: int = 0
     num_step_errors: int = 0
     idle_seconds: float = 0.0  # time the loop waited for input with no work to do
+    # Speculative decoding (totals; all 0 without it): proposals verified, draft tokens in
+    # them, of which accepted, and accepted by position in the proposal.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:

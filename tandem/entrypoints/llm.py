@@ -199,6 +199,17 @@ class LLM:
         while self.engine.has_only_leftover_steps():
             self.engine.step()
 
+    def spec_decode_stats(self) -> dict[str, Any]:
+        """Speculative decoding's totals since start: ``spec_num_drafts`` (proposals
+        verified), ``spec_num_draft_tokens``, ``spec_num_accepted_tokens``,
+        ``spec_accepted_per_position`` (the names of ``/metrics``' counters); and
+        ``acceptance_rate``. Empty without ``speculative_config``."""
+        stats = self.engine.core.spec_decode_stats()
+        if stats:
+            drafted = stats["spec_num_draft_tokens"]
+            stats["acceptance_rate"] = stats["spec_num_accepted_tokens"] / drafted if drafted else 0.0
+        return stats
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

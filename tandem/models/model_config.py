@@ -79,4 +79,8 @@ def resolve_model_config(config: EngineConfig, env: EnvSwitches | None = None) -
         env=env,
     )
     mc.check_tensor_parallel(config.tensor_parallel_size)
+    if config.speculative_config is not None:
+        from tandem.models.draft import draft_model_config
+
+        draft_model_config(config, mc)  # a draft that cannot serve fails here, before anything starts
     return mc

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from tandem.scheduler.kv_cache import KVCacheManager
+from tandem.scheduler.spec import WAIT, SpecScheduling
 from tandem.types.engine_output import INVALID_REQUEST, EngineCoreOutput
 from tandem.types.request import Request, RequestStatus
 from tandem.types.runner_output import ModelRunnerOutput
@@ -74,6 +75,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool,
+        spec: Optional[SpecScheduling] = None,
     ) -> None:
         self.kv = kv_cache
         self.max_num_seqs = max_num_seqs
@@ -98,6 +100,7 @@ class Scheduler:
         self.waiting_for_grammar: list[Request] = []
         self.num_grammar_requests = 0
         self._outputs: list[EngineCoreOutput] = []
+        self.spec = spec  # speculative decoding (tandem.scheduler.spec), None: off
 
     # -- request lifecycle -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -160,6 +163,8 @@ class Scheduler:
     def _at_end(self, req: Request) -> bool:
         """Every remaining token of the request is already scheduled (case: one token too many)."""
         n_out = len(req.output_token_ids) + req.num_output_placeholders
+        if req.spec_steps_in_flight:  # its placeholders are a maximum: it may need more steps
+            return False
         return n_out >= req.max_tokens or req.num_tokens_with_placeholders >= self.max_model_len
 
     def _preempt(self, req: Request, preempted: list[str]) -> None:
@@ -181,6 +186,16 @@ class Scheduler:
         if samples:
             req.num_output_placeholders += 1
         return samples
+
+    def _account_spec(self, req: Request, start: int, k: int, new_blocks: list[int]) -> ScheduledRequest:
+        """A decode step that verifies ``k`` drafts (``tandem.scheduler.spec``)."""
+        assert self.spec is not None
+        correct = req.spec_steps_in_flight > 0
+        req.num_computed_tokens += 1 + k
+        req.num_inflight_steps += 1
+        self.spec.account(req, k)
+        return ScheduledRequest(req.request_id, start, 1 + k, new_blocks, True,
+                                num_draft_tokens=k, correct_drafts=correct)
 
     def take_outputs(self) -> list[EngineCoreOutput]:
         """Outputs of requests that ended outside a step (a grammar that did not compile)."""
@@ -230,6 +245,9 @@ class Scheduler:
         would already have finished and left ``running``, so async mode schedules exactly
         the batches sync schedules when finishes are predictable (max_tokens, max_model_len).
         """
+        if self.spec is not None:
+            self._schedule_running_spec(step)  # speculative decoding: its own loop
+            return
         running = self.running
         max_len = self.max_model_len
         scheduled, reqs = step.scheduled, step.reqs
@@ -274,6 +292,48 @@ class Scheduler:
         if i < len(running):
             step.num_ending += sum(1 for r in running[i:] if self._at_end(r))
 
+    def _schedule_running_spec(self, step: "_StepBuilder") -> None:
+        """``_schedule_running`` with speculative decoding configured (``tandem.scheduler.spec``):
+        a decode step may verify drafts (``1 + k`` tokens), a request with a verify step in
+        flight is never counted as ending (its placeholders are a maximum), and lookahead
+        slots are allocated for a draft model. Kept apart so the plain loop stays lean."""
+        spec = self.spec
+        assert spec is not None
+        running = self.running
+        max_len = self.max_model_len
+        spec_on = spec.enabled_for_step(len(running))
+        i = 0
+        while i < len(running) and step.budget > 0:
+            req = running[i]
+            n_out = len(req.output_token_ids) + req.num_output_placeholders
+            n_tok = len(req.prompt_token_ids) + n_out  # known tokens + placeholders
+            if n_out >= req.max_tokens or n_tok >= max_len:  # _at_end
+                if not req.spec_steps_in_flight:  # (else it may still need steps: it keeps its slot)
+                    step.num_ending += 1
+                i += 1
+                continue  # stays running: its in-flight token will finish it
+            start = req.num_computed_tokens
+            n = min(n_tok - start, step.budget)
+            assert n > 0, f"running request with nothing to compute: {req}"
+            k = 0
+            if n == 1:
+                k = spec.num_drafts(req, n_out, n_tok, step.budget, max_len, spec_on)
+                if k == WAIT:
+                    i += 1
+                    continue
+            la = spec.lookahead(start + n + k, max_len)
+            new_blocks = self._allocate_or_preempt(req, n + k + la, step)
+            if new_blocks is None:
+                break  # req itself was preempted; nothing after it is left
+            if k or req.spec_steps_in_flight:  # verifies drafts, or its position is optimistic
+                step.add(req, self._account_spec(req, start, k, new_blocks), 1 + k)
+            else:
+                step.add(req, ScheduledRequest(req.request_id, start, n, new_blocks, self._account(req, n)), n)
+            i += 1
+        # Requests past i were not visited (budget spent): count those that are ending too.
+        if i < len(running):
+            step.num_ending += sum(1 for r in running[i:] if self._at_end(r))
+
     def _allocate_or_preempt(self, req: Request, n: int, step: "_StepBuilder") -> Optional[list[int]]:
         """Blocks for ``n`` more tokens of ``req``, preempting the newest running requests
         (never one already scheduled in this step, never one that is ending) until they fit.
@@ -306,7 +366,8 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 n = step.budget
-            new_blocks = self.kv.allocate_slots(req, n, computed)
+            la = self.spec.lookahead(num_hit + n, self.max_model_len) if self.spec is not None else 0
+            new_blocks = self.kv.allocate_slots(req, n + la, computed)
             if new_blocks is None:
                 break
             self.waiting.popleft()
@@ -335,6 +396,8 @@ class Scheduler:
             if self.num_grammar_requests:
                 out.grammar_req_ids = [sr.req_id for sr in step.scheduled
                                        if sr.samples and step.reqs[sr.req_id].grammar is not None]
+            if self.spec is not None:
+                out.num_draft_tokens = sum(sr.num_draft_tokens for sr in step.scheduled)
             self._step_reqs[out.step_id] = step.reqs
             self._next_step_id += 1
             self.stats.num_steps += 1
@@ -361,7 +424,12 @@ class Scheduler:
         finished = RequestStatus.FINISHED_STOPPED
         # The hot loop of every step (once per sampled request): _check_stop's common case
         # and cache_full_blocks' early return inlined.
-        for k, (rid, token) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
+        req_ids = result.req_ids
+        if result.spec_token_ids is not None:  # a step that verified drafts
+            assert self.spec is not None
+            self.spec.apply(self, sched, result, step_reqs, outputs)
+            req_ids = []
+        for k, (rid, token) in enumerate(zip(req_ids, result.sampled_token_ids)):
             req = step_reqs[rid]
             if req.status >= finished:  # req.is_finished, inlined (hot)
                 self.stats.num_dropped_tokens += 1
@@ -388,6 +456,8 @@ class Scheduler:
             if caching and num_tokens >= req.kv_publish_at and req.num_computed_tokens >= req.kv_publish_at:
                 kv.cache_full_blocks(req, min(req.num_computed_tokens, num_tokens))
 
+        if result.draft_token_ids:  # (speculative decoding, constrained requests)
+            SpecScheduling.note_drafts(result, step_reqs)
         if result.prompt_logprobs:
             self._add_prompt_logprobs(sched, result, step_reqs, outputs)
         self._release_pending()
@@ -432,6 +502,8 @@ class Scheduler:
     def fail_step(self, sched: SchedulerOutput, error: str) -> list[EngineCoreOutput]:
         """A step raised: finish every live request it contained with an error."""
         step_reqs = self._step_reqs.pop(sched.step_id, {})
+        if sched.num_draft_tokens:
+            SpecScheduling.fail(sched, step_reqs)
         outs = []
         for req in step_reqs.values():
             req.num_inflight_steps -= 1

@@ -82,6 +82,26 @@ class Matcher(abc.ABC):
     def is_terminated(self) -> bool:
         """The grammar has ended (a stop token was accepted): nothing more is allowed."""
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+        raise NotImplementedError
+
+    def draft_masks(self, drafts: list[int], bitmask: Any, first_row: int) -> int:
+        """Speculative decoding: rows ``first_row + j`` get the tokens allowed after
+        ``drafts[:j]``, for ``j`` up to the number of drafts the grammar accepts (returned;
+        the rest are cut: they can never be emitted). The matcher ends as it began."""
+        self.fill_bitmask(bitmask, first_row)
+        valid = 0
+        for d in drafts:
+            if self.is_terminated or not self.accept_token(d):
+                break
+            valid += 1
+            if not self.is_terminated:
+                self.fill_bitmask(bitmask, first_row + valid)
+        if valid:
+            self.rollback(valid)
+        return valid
+
 
 class CompiledGrammar(abc.ABC):
     """A compiled constraint, shared by every request that has it."""

@@ -50,6 +50,14 @@ class _GuidanceMatcher(Matcher):
     def is_terminated(self) -> bool:
         return self._ended
 
+    def draft_masks(self, drafts: list[int], bitmask: Any, first_row: int) -> int:
+        """On a copy (llguidance consumes no token for a stop token once stopped, so a
+        rollback count would not match what was accepted)."""
+        return Matcher.draft_masks(_GuidanceMatcher(self._m.deep_copy(), self._stop), drafts, bitmask, first_row)
+
+    def rollback(self, num_tokens: int) -> None:
+        pass  # only ever called on the throw-away copy of draft_masks
+
 
 class _GuidanceCompiled(CompiledGrammar):
     """A matcher at the start of the grammar: each request gets a copy."""

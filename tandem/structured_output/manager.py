@@ -155,12 +155,17 @@ class StructuredOutputManager:
             wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     # -- bitmasks ----------------------------------------------------------------------------
-    def grammar_output(self, step_id: int, req_ids: list[str], requests: list[Request]) -> GrammarOutput:
+    def grammar_output(self, step_id: int, req_ids: list[str], requests: list[Request],
+                       num_drafts: Optional[list[int]] = None) -> GrammarOutput:
         """The bitmask of a step's constrained requests (``SchedulerOutput.grammar_req_ids``),
         each matcher having accepted every token its request received. A request that has
         finished meanwhile (its token in this step will be dropped) or whose grammar has
-        ended keeps an all-ones row."""
+        ended keeps an all-ones row. ``num_drafts``: requests verifying drafts (speculative
+        decoding) get a row per position, see ``_draft_output``."""
         import torch
+
+        if num_drafts is not None and any(num_drafts):
+            return self._draft_output(step_id, req_ids, requests, num_drafts)
 
         bitmask = torch.full((len(requests), self.bitmask_words), -1, dtype=torch.int32)
         matchers, rows = [], []
@@ -175,6 +180,26 @@ class StructuredOutputManager:
             assert self._backend is not None  # a matcher exists, so its backend does
             self._backend.fill_bitmasks(matchers, bitmask, rows)
         return GrammarOutput(step_id, req_ids, bitmask)
+
+    def _draft_output(self, step_id: int, req_ids: list[str], requests: list[Request],
+                      num_drafts: list[int]) -> GrammarOutput:
+        """Rows ``1 + k`` per request: the mask after its received tokens, then after each
+        of its drafts (``Request.spec_drafts``, from the worker) that the grammar accepts;
+        drafts it refuses, and all after them, are cut."""
+        import torch
+
+        rows = [1 + k for k in num_drafts]
+        bitmask = torch.full((sum(rows), self.bitmask_words), -1, dtype=torch.int32)
+        valid = [0] * len(requests)
+        first = 0
+        for i, req in enumerate(requests):
+            g = req.grammar
+            if (not req.is_finished and isinstance(g, RequestGrammarState) and g.matcher is not None
+                    and not g.matcher.is_terminated):
+                drafts = (req.spec_drafts or [])[:num_drafts[i]]
+                valid[i] = g.matcher.draft_masks(drafts, bitmask, first)
+            first += rows[i]
+        return GrammarOutput(step_id, req_ids, bitmask, rows, valid)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

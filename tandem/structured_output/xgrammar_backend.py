@@ -55,6 +55,9 @@ class _XGrammarMatcher(Matcher):
     def is_terminated(self) -> bool:
         return self._m.is_terminated()
 
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+
 
 class _XGrammarCompiled(CompiledGrammar):
     def __init__(self, compiled: Any) -> None:

@@ -26,6 +26,11 @@ class GrammarOutput:
     # torch.Tensor int32 [len(req_ids), ceil(vocab_size / 32)], on the host. Typed Any so this
     # module imports no torch (the codec sends tensors as raw buffers).
     bitmask: Any
+    # Speculative decoding: request ``i`` owns ``num_rows[i]`` consecutive rows (its last
+    # position and each draft position, in order), of which the first ``num_valid_drafts[i]``
+    # drafts are allowed by its grammar; later drafts are cut (never accepted). None: one row each.
+    num_rows: Optional[list[int]] = None
+    num_valid_drafts: Optional[list[int]] = None
 
 
 class RequestGrammar(Protocol):

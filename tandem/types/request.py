@@ -83,6 +83,13 @@ class Request:
         # received token (never by placeholders). Set by the engine core when the request
         # arrives; None for an unconstrained request.
         self.grammar: Optional[RequestGrammar] = None
+        # Speculative decoding: steps in flight that verify drafts of this request (each
+        # counted ``1 + k`` placeholders, the most it can emit; the rest are taken back, and
+        # ``num_computed_tokens`` corrected, when its tokens arrive).
+        self.spec_steps_in_flight = 0
+        # The drafts the worker proposed after this request's latest step, when its grammar
+        # must see them (a constrained request's masks cover its draft positions).
+        self.spec_drafts: Optional[list[int]] = None
 
     @property
     def num_prompt_tokens(self) -> int:

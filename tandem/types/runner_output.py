@@ -26,3 +26,10 @@ class ModelRunnerOutput:
     logprobs: Optional[list[SampledLogprobs]] = None  # aligned with req_ids, when any request asked
     # req_id -> logprobs of prompt positions covered by this step's chunk (target = next prompt token)
     prompt_logprobs: dict[str, list[SampledLogprobs]] = field(default_factory=dict)
+    # A step that verified drafts: every sampling request's emitted tokens (the accepted
+    # drafts and one token of the target's own, 1..1+k of them) and their logprobs, aligned
+    # with req_ids; ``sampled_token_ids`` then holds each one's first token.
+    spec_token_ids: Optional[list[list[int]]] = None
+    spec_logprobs: Optional[list[list[SampledLogprobs]]] = None
+    # Speculative decoding: the drafts proposed for each constrained request's next step.
+    draft_token_ids: Optional[dict[str, list[int]]] = None

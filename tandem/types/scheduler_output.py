@@ -40,6 +40,14 @@ class ScheduledRequest(msgspec.Struct):
     new_block_ids: list[int]  # appended to the request's block table (all of it when ``new``)
     samples: bool  # this step reaches the end of the request's tokens, so it samples one
     new: Optional[NewRequestData] = None
+    # Speculative decoding: the last ``num_draft_tokens`` scheduled positions hold the
+    # proposer's drafts (the worker put them in its token table), and the step samples at
+    # each of the ``1 + num_draft_tokens`` positions. ``correct_drafts``: the request's
+    # previous step (still in flight when this one was scheduled) verified drafts, so every
+    # position here is optimistic by that step's rejected count, which the worker subtracts
+    # on the device (async scheduling).
+    num_draft_tokens: int = 0
+    correct_drafts: bool = False
 
 
 @dataclass
@@ -52,6 +60,7 @@ class SchedulerOutput:
     # the forward pass in ``execute_model`` and samples in ``sample_tokens(GrammarOutput)``,
     # once the engine core has filled their bitmask; when empty, one call does both.
     grammar_req_ids: list[str] = field(default_factory=list)
+    num_draft_tokens: int = 0  # over all requests: > 0 makes the worker verify drafts
 
     @property
     def total_num_scheduled_tokens(self) -> int:

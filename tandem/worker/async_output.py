@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+import numpy as np
 import torch
 
 from tandem.layers.sampler import LogprobsTensors
@@ -59,13 +60,24 @@ class AsyncModelOutput:
         prompt_logprobs: dict[str, LogprobsTensors],
         copy_stream: Optional[torch.cuda.Stream],
         ring: Optional[HostBufferRing] = None,
+        spec: Optional[tuple[torch.Tensor, np.ndarray]] = None,
+        drafts: Optional[tuple[torch.Tensor, list[tuple[str, int]]]] = None,
     ) -> None:
+        """``spec``: a step that verified drafts: the number of tokens each request emits
+        (device) and its number of sampled rows (host); ``sampled`` then has one id per row."""
         self.step_id = step_id
         self.req_ids = req_ids
         self._event: Optional[torch.cuda.Event] = None
         self._ring = ring
         self._slot: Optional[int] = None
         tensors = []
+        self._spec_rows = spec[1] if spec is not None else None
+        if spec is not None:
+            tensors.append(spec[0])
+        # Constrained requests' next drafts ([S, k] for every sampling request; (id, index) of those wanted).
+        self._draft_of = drafts[1] if drafts is not None else None
+        if drafts is not None:
+            tensors.append(drafts[0])
         if logprobs is not None:
             tensors += [logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
         for lp in prompt_logprobs.values():
@@ -105,9 +117,18 @@ class AsyncModelOutput:
         out = ModelRunnerOutput(self.step_id, self.req_ids, self._sampled.tolist())
         host = self._host
         k = 0
+        if self._spec_rows is not None:
+            emitted = host[0].tolist()
+            k = 1
+        if self._draft_of is not None:
+            proposed = host[k].tolist()
+            out.draft_token_ids = {rid: proposed[i] for rid, i in self._draft_of}
+            k += 1
         if self._has_logprobs:
-            out.logprobs = _to_lists(host[0], host[1], host[2])
-            k = 3
+            out.logprobs = _to_lists(host[k], host[k + 1], host[k + 2])
+            k += 3
+        if self._spec_rows is not None:
+            _split_spec(out, emitted, self._spec_rows)
         for rid in self._prompt_keys:
             out.prompt_logprobs[rid] = _to_lists(host[k], host[k + 1], host[k + 2])
             k += 3
@@ -118,6 +139,17 @@ class AsyncModelOutput:
             self._ring.release(self._slot)
             self._ring = None
         return out
+
+
+def _split_spec(out: ModelRunnerOutput, emitted: list[int], num_rows: np.ndarray) -> None:
+    """One list of emitted tokens (and logprobs) per request, from one id per sampled row."""
+    flat, lps = out.sampled_token_ids, out.logprobs
+    starts = (np.cumsum(num_rows) - num_rows).tolist()
+    out.spec_token_ids = [flat[s:s + e] for s, e in zip(starts, emitted)]
+    out.sampled_token_ids = [t[0] for t in out.spec_token_ids]
+    if lps is not None:
+        out.spec_logprobs = [lps[s:s + e] for s, e in zip(starts, emitted)]
+        out.logprobs = [x[0] for x in out.spec_logprobs]
 
 
 def _to_lists(ids: torch.Tensor, lps: torch.Tensor, ranks: torch.Tensor) -> list[SampledLogprobs]:

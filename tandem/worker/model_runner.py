@@ -22,13 +22,16 @@ never takes the decode graph's own greedy choice (it ignored the grammar).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional
+from functools import partial
+from typing import Any, Callable, Optional, cast
 
 import numpy as np
 import torch
 
+from tandem.config.speculative import SpeculativeConfig
 from tandem.distributed import get_tp_rank, tp_broadcast
 from tandem.kernels.splits import MIN_SPLIT_TOKENS, choose_num_kv_splits, decode_split_counts
 from tandem.layers.attention import AttentionMetadata, set_forward_context
@@ -38,6 +41,7 @@ from tandem.types.grammar import GrammarOutput
 from tandem.types.scheduler_output import SchedulerOutput
 from tandem.worker.async_output import AsyncModelOutput, HostBufferRing
 from tandem.worker.input_batch import CachedRequestState, InputBatch
+from tandem.worker.speculative import DraftProposer, SampleLayout, SpecDecoder, VerifyInputs, sample_layout
 from tandem.worker.staging import BitmaskStager, Segment, StagingBuffer
 
 logger = logging.getLogger(__name__)
@@ -62,6 +66,8 @@ class StepPlan:
     starts: np.ndarray  # int32 [B] first position computed now
     counts: np.ndarray  # int32 [B] tokens computed now
     samples: np.ndarray  # bool [B]
+    drafts: Optional[np.ndarray] = None  # int32 [B] drafts verified (speculative decoding only)
+    correct: Optional[np.ndarray] = None  # bool [B] positions optimistic (tandem.worker.speculative)
 
     @property
     def num_seqs(self) -> int:
@@ -91,6 +97,9 @@ class LaunchedForward:
     sampling: Callable[[], SamplingMetadata]
     dest: torch.Tensor  # flat token-table index each sampled id is written to
     prompt_logprobs: dict[str, LogprobsTensors]
+    spec: Optional[VerifyInputs] = None  # speculative decoding: verify and propose after sampling
+    spec_rows: Optional[np.ndarray] = None  # rows (1 + k) of each sampling request, when it verified drafts
+    row_counts: Optional[np.ndarray] = None  # the same whenever speculation is on (bitmask layout)
 
 
 class ModelRunner:
@@ -106,6 +115,8 @@ class ModelRunner:
         dtype: torch.dtype,
         attention_backend: str = "sdpa",
         cuda_graphs: bool = False,
+        speculative: Optional[SpeculativeConfig] = None,
+        draft_model: Optional[CausalLM] = None,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
@@ -124,7 +135,13 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.host_ring = HostBufferRing(max_num_seqs, pinned=device.type == "cuda")
+        draft = (DraftProposer(draft_model, speculative.num_speculative_tokens, block_size, max_model_len,
+                               self.batch.width, attention_backend)
+                 if draft_model is not None and speculative is not None else None)
+        self.spec = (SpecDecoder(speculative, self.batch.max_rows, self.batch.width, device, draft)
+                     if speculative is not None else None)
+        ring = max_num_seqs * (1 + (speculative.num_speculative_tokens if speculative is not None else 0))
+        self.host_ring = HostBufferRing(ring, pinned=device.type == "cuda")
         # With tensor parallelism only rank 0 samples; the others receive its ids by broadcast
         # so every rank's token table (hence every rank's next input) stays identical.
         self.tp_rank = get_tp_rank()
@@ -134,13 +151,21 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph,
                                                  tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self.graph_sizes: list[int] = graph_batch_sizes(max_num_seqs) if self.use_graphs else []
+        # Verify graphs (speculative decoding), keyed like ``graphs``: (bucket, split-KV count).
+        self.verify_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self.spec_graph_limit = 64  # largest batch a verify graph is captured for
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.num_kv_heads = 1
         # Shortest key chunk of a split-KV decode: contexts under twice this take one split.
         self.min_split_tokens = MIN_SPLIT_TOKENS
         self.stats_graph_steps = 0
         self._pending: Optional[LaunchedForward] = None  # a constrained step's forward, until sampled
-        self.bitmasks = BitmaskStager(max_num_seqs, device)
+        self.bitmasks = BitmaskStager(ring, device)  # a row per sampled row (1 + k per request)
+
+    def init_draft_kv_cache(self, num_blocks: int, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        """The draft model's cache (speculative decoding), in the same blocks as the target's."""
+        assert self.spec is not None and self.spec.draft is not None
+        self.spec.draft.init_kv_cache(num_blocks, num_layers, num_kv_heads, head_dim, self.dtype, self.device)
 
     def init_kv_cache(self, num_blocks: int, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_kv_heads = num_kv_heads
@@ -164,9 +189,12 @@ class ModelRunner:
         n = len(scheduled)
         states: list[CachedRequestState] = []
         known = batch.requests
+        spec = self.spec
         for r in scheduled:  # the per-request part: look up (or add) its state, queue new blocks
             if r.new is not None:
                 st = batch.add(r.req_id, r.new, r.new_block_ids)
+                if spec is not None:
+                    spec.reset_row(st.row)
             else:
                 st = known.get(r.req_id)  # type: ignore[assignment]
                 if st is None:
@@ -175,13 +203,17 @@ class ModelRunner:
                     batch.append_blocks(st, r.new_block_ids)
             states.append(st)
         batch.flush_blocks()
-        return StepPlan(
+        plan = StepPlan(
             states,
             np.fromiter([st.row for st in states], dtype=np.int32, count=n),
             np.fromiter([r.num_computed_tokens for r in scheduled], dtype=np.int32, count=n),
             np.fromiter([r.num_scheduled_tokens for r in scheduled], dtype=np.int32, count=n),
             np.fromiter([r.samples for r in scheduled], dtype=bool, count=n),
         )
+        if spec is not None:
+            plan.drafts = np.fromiter((r.num_draft_tokens for r in scheduled), dtype=np.int32, count=n)
+            plan.correct = np.fromiter((r.correct_drafts for r in scheduled), dtype=bool, count=n)
+        return plan
 
     # -- 2. staging ----------------------------------------------------------------------
     def _reserve_batch(self, num_tokens: int, num_seqs: int) -> tuple[BatchSegments, list[np.ndarray]]:
@@ -201,7 +233,7 @@ class ModelRunner:
         np.cumsum(plan.counts, out=qsl[1:])
         T = int(qsl[-1])
         seq_lens = plan.starts + plan.counts
-        pad_tokens = T if pad_seqs == B else pad_seqs
+        pad_tokens = T if pad_seqs == B else pad_seqs * (T // B)  # (a graph's batch: T // B tokens each)
         segs, (gather, positions, slots, rows, sl, qs, dest) = self._reserve_batch(pad_tokens, pad_seqs)
         scratch = self.batch.scratch_row * self.batch.width
         if T == B:  # every sequence has one token: no repeat needed
@@ -261,9 +293,10 @@ class ModelRunner:
 
     def _forward(self, segs: BatchSegments, max_query_len: int, max_seq_len: int,
                  qsl_host: Optional[np.ndarray], seq_lens_host: Optional[np.ndarray],
-                 num_kv_splits: int = 1) -> torch.Tensor:
+                 num_kv_splits: int = 1, draft: Optional[DraftProposer] = None) -> torch.Tensor:
         """Gather the inputs from the token table and run the model (graph-capturable).
-        ``num_kv_splits`` is the decode batch's split-KV count (``_decode_splits``)."""
+        ``num_kv_splits`` is the decode batch's split-KV count (``_step_splits``); ``draft``:
+        run the draft model over the same tokens instead, into its own cache."""
         sb = self.staging
         input_ids = self.batch.token_table.view(-1)[sb.view(segs.gather)]
         md = AttentionMetadata(
@@ -279,6 +312,9 @@ class ModelRunner:
             query_start_loc_host=qsl_host,
             seq_lens_host=seq_lens_host,
         )
+        if draft is not None:
+            with set_forward_context(md, draft.kv_caches):
+                return draft.model(input_ids, sb.view(segs.positions))
         with set_forward_context(md, self.kv_caches):
             return self.model(input_ids, sb.view(segs.positions))
 
@@ -291,6 +327,12 @@ class ModelRunner:
             return 1
         return choose_num_kv_splits(self._bucket(num_seqs), self.num_kv_heads, 1, min(max_seq_len, self.max_model_len),
                                     self.num_sms, min_split_tokens=self.min_split_tokens)
+
+    def _step_splits(self, num_seqs: int, max_query_len: int, max_seq_len: int) -> int:
+        """Split-KV count of a step: a decode batch (one query token per sequence) splits by
+        its context (``_decode_splits``); longer queries (prefill chunks, verify steps) take
+        one. The key, with the bucket, of the graph that runs the step."""
+        return self._decode_splits(num_seqs, max_seq_len) if max_query_len == 1 else 1
 
     def _split_variants(self, num_seqs: int) -> list[int]:
         """The split counts ``_decode_splits`` can pick for a batch of this size (its graphs)."""
@@ -336,7 +378,7 @@ class ModelRunner:
             if forced_splits is not None:
                 splits = forced_splits
             else:
-                splits = self._decode_splits(len(counts), max_len) if max_q == 1 else 1
+                splits = self._step_splits(len(counts), max_q, max_len)
             hidden = self._forward(segs, max_q, max_len, qsl, seq_lens, splits)
             self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
         if self.device.type == "cuda":
@@ -370,31 +412,83 @@ class ModelRunner:
         a harmless batch (sequences of length 1 in block 0, no cache writes).
         """
         pool = None
-        sb = self.staging
-        scratch = self.batch.scratch_row
         for size in reversed(self.graph_sizes):
-            sb.begin(0)
-            segs, (gather, positions, slots, rows, sl, qs, dest) = self._reserve_batch(size, size)
-            gather[:] = scratch * self.batch.width
-            positions[:] = 0
-            slots[:] = -1
-            rows[:] = scratch
-            sl[:] = 1
-            qs[:] = np.arange(size + 1)
-            dest[:] = scratch * self.batch.width
-            sb.upload()
             for splits in reversed(self._split_variants(size)):
-                for _ in range(2):  # warm up: autotuning and lazy initialization outside capture
-                    self._graph_body(segs, splits)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    outputs = self._graph_body(segs, splits)
+                graph, outputs = self._capture(size, 1, partial(self._graph_body, num_kv_splits=splits), pool)
                 pool = graph.pool()
-                self.graphs[(size, splits)] = (graph, outputs)
+                self.graphs[(size, splits)] = (graph, cast("tuple[torch.Tensor, torch.Tensor, torch.Tensor]", outputs))
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (batch sizes %s; split-KV counts per size: %s)", len(self.graphs),
                     self.graph_sizes, {s: self._split_variants(s) for s in self.graph_sizes})
+        if self.spec is not None:
+            self._capture_verify_graphs(pool)
+
+    def _capture(self, size: int, q: int, body: Callable[[BatchSegments], tuple[torch.Tensor, ...]],
+                 pool: Any) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+        """Capture ``body`` on a harmless batch of ``size`` sequences of ``q`` tokens each
+        (scratch row, block 0, no cache writes), at the staging offsets of that shape."""
+        sb = self.staging
+        scratch = self.batch.scratch_row
+        sb.begin(0)
+        segs, (gather, positions, slots, rows, sl, qs, dest) = self._reserve_batch(size * q, size)
+        gather[:] = scratch * self.batch.width
+        positions[:] = 0
+        slots[:] = -1
+        rows[:] = scratch
+        sl[:] = q
+        qs[:] = np.arange(size + 1) * q
+        dest[:] = scratch * self.batch.width
+        sb.upload()
+        for _ in range(2):  # warm up: autotuning and lazy initialization outside capture
+            body(segs)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = body(segs)
+        return graph, outputs
+
+    # -- CUDA graphs of verify steps (speculative decoding; GPU-only, see tests/gpu) ----------
+    def _verify_graph_body(self, segs: BatchSegments, num_kv_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verify step up to the logits: every sequence has ``1 + k`` query tokens."""
+        assert self.spec is not None
+        hidden = self._forward(segs, 1 + self.spec.k, self.max_model_len, None, None, num_kv_splits)
+        return hidden, self.model.compute_logits(hidden)
+
+    def _capture_verify_graphs(self, pool: Any) -> None:
+        """Graphs of the uniform verify batch (every request ``1 + k`` tokens), for the
+        decode buckets up to 64 sequences (above, batches are compute-bound and usually
+        have ``disable_by_batch_size`` turn speculation off). Keyed like the decode graphs,
+        by (bucket, split-KV count), the count from ``_step_splits`` as ``_execute`` picks it
+        (a verify step's queries are longer than one token: always one split). A capture
+        that fails leaves verify steps eager."""
+        assert self.spec is not None
+        q = 1 + self.spec.k
+        limit = self.spec_graph_limit
+        sizes = [s for s in self.graph_sizes if s <= limit]
+        try:
+            for size in reversed(sizes):
+                splits = self._step_splits(size, q, self.max_model_len)
+                body = partial(self._verify_graph_body, num_kv_splits=splits)
+                graph, outputs = self._capture(size, q, body, pool)  # type: ignore[arg-type]
+                pool = graph.pool()
+                self.verify_graphs[(size, splits)] = (graph, outputs)
+            torch.cuda.synchronize(self.device)
+        except Exception as e:  # never fail start-up for an optimization
+            logger.warning("verify steps run eagerly: capturing their CUDA graphs failed (%s)", e)
+            self.verify_graphs.clear()
+            return
+        logger.info("captured %d verify CUDA graphs (%d tokens per sequence, batch sizes %s)",
+                    len(self.verify_graphs), q, sizes)
+
+    def _verify_graph_size(self, plan: StepPlan) -> Optional[int]:
+        """The bucket of a uniform verify batch that a captured graph can run, else None."""
+        if not self.verify_graphs or self.spec is None or plan.drafts is None:
+            return None
+        q = 1 + self.spec.k
+        if (plan.num_seqs > max(size for size, _ in self.verify_graphs) or int(plan.counts.min()) != q
+                or int(plan.counts.max()) != q or not plan.samples.all()):
+            return None
+        return self._bucket(plan.num_seqs)
 
     # -- the step ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -417,46 +511,74 @@ class ModelRunner:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return AsyncModelOutput(so.step_id, [], empty, None, {}, self.copy_stream, self.host_ring)
         graph_size = self._graph_size(plan)
+        verify_size = self._verify_graph_size(plan) if graph_size is None and self.verify_graphs else None
         sb = self.staging
         sb.begin(0)
-        segs, qsl, seq_lens = self._stage_batch(plan, graph_size or plan.num_seqs)
+        segs, qsl, seq_lens = self._stage_batch(plan, graph_size or verify_size or plan.num_seqs)
         writes = self._stage_table_writes()
         sample_idx = np.flatnonzero(plan.samples)
-        logits_rows = sb.put((qsl[1:] - 1)[sample_idx].astype(np.int64))
-        sample_dest = sb.put(plan.rows[sample_idx].astype(np.int64) * self.batch.width + seq_lens[sample_idx])
-        sampling, plain_greedy = self._stage_sampling(plan, sample_idx, seq_lens)
+        layout: Optional[SampleLayout] = None
+        if self.spec is not None:  # speculative decoding: 1 + k sampling rows per request
+            layout = sample_layout(sample_idx, plan.drafts, plan.counts, qsl, seq_lens)
+            row_idx, row_lens, rows_flat = layout.seq, layout.seq_lens, layout.logits_rows
+        else:
+            row_idx, row_lens, rows_flat = sample_idx, seq_lens[sample_idx], (qsl[1:] - 1)[sample_idx].astype(np.int64)
+        logits_rows = sb.put(rows_flat)
+        sample_dest = sb.put(plan.rows[row_idx].astype(np.int64) * self.batch.width + row_lens)
+        sampling, plain_greedy = self._stage_sampling(plan, row_idx, row_lens)
+        spec_staged = self._stage_spec(plan, layout, sample_idx, seq_lens) if layout is not None else None
         sb.upload()
 
         self._apply_table_writes(writes)
+        verify: Optional[VerifyInputs] = None
+        seq_lens_host = seq_lens
+        if spec_staged is not None:
+            verify, corr_rows, corrected = self._spec_inputs(plan, segs, sample_dest, spec_staged)
+            if corrected is not None:
+                seq_lens_host = corrected
+                sampling = partial(sampling, corr_rows)
+        n = len(row_idx)
         max_query_len, max_seq_len = int(plan.counts.max()), int(seq_lens.max())
-        splits = self._decode_splits(plan.num_seqs, max_seq_len) if max_query_len == 1 else 1
-        all_rows = len(sample_idx) == plan.num_seqs and max_query_len == 1
+        splits = self._step_splits(plan.num_seqs, max_query_len, max_seq_len)
+        all_rows = n == plan.num_seqs and max_query_len == 1
         graph_logits = graph_ids = None
         if graph_size is not None:
             graph, (hidden, graph_logits, graph_ids) = self.graphs[(graph_size, splits)]
             graph.replay()
             self.stats_graph_steps += 1
+        elif verify_size is not None:
+            vgraph, (hidden, graph_logits) = self.verify_graphs[(verify_size, splits)]
+            vgraph.replay()
+            self.stats_graph_steps += 1
         else:
-            hidden = self._forward(segs, max_query_len, max_seq_len, qsl, seq_lens, splits)
+            hidden = self._forward(segs, max_query_len, max_seq_len, qsl, seq_lens_host, splits)
+        if self.spec is not None and self.spec.draft is not None:  # the draft's cache follows the target's
+            self._forward(segs, max_query_len, max_seq_len, qsl, seq_lens_host, splits, self.spec.draft)
 
         prompt_out = self._prompt_logprobs(plan, qsl, hidden)
         req_ids = [plan.states[i].req_id for i in sample_idx.tolist()]
-        n = len(sample_idx)
         if not n:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return AsyncModelOutput(so.step_id, req_ids, empty, None, prompt_out, self.copy_stream, self.host_ring)
         # Feed the device-side token table: step N+1 reads the sampled ids from here.
         dest = sb.view(segs.dest)[:n] if all_rows else sb.view(sample_dest)
         if graph_ids is not None and plain_greedy and not so.grammar_req_ids:
-            # The graph already chose and stored the greedy tokens.
+            # The graph already chose and stored the greedy tokens (no drafts: its steps have
+            # one token per sequence).
             sampled = graph_ids[:n] if all_rows else graph_ids[sb.view(logits_rows)]
+            if verify is not None and self.spec is not None:
+                self.spec.propose(self.batch.token_table, verify.rows, verify.base_len + 1, verify.window,
+                                  self.batch.block_table_device)
+                self.spec.last_rejected[verify.rows] = 0
             return AsyncModelOutput(so.step_id, req_ids, sampled, None, prompt_out, self.copy_stream, self.host_ring)
         if graph_logits is not None:
             logits = graph_logits[:n] if all_rows else graph_logits[sb.view(logits_rows)]
         else:
             h = hidden[:n] if all_rows else hidden[sb.view(logits_rows)]
             logits = self.model.compute_logits(h)  # every rank: the LM head gathers
-        forward = LaunchedForward(so.step_id, req_ids, logits, sampling, dest, prompt_out)
+        forward = LaunchedForward(so.step_id, req_ids, logits, sampling, dest, prompt_out, verify,
+                                  layout.num_rows if layout is not None and layout.num_drafts else None,
+                                  layout.num_rows if layout is not None else None)
         if so.grammar_req_ids:
             self._pending = forward
             return None
@@ -477,17 +599,66 @@ class ModelRunner:
         """Rank 0 masks (constrained steps) and samples; every rank gets the ids and writes
         them into its token table."""
         logprobs: Optional[LogprobsTensors] = None
+        verify = fw.spec
+        mask = None
+        if grammar is not None and fw.row_counts is not None:  # every rank: the cut is part of verification
+            mask, cut = self._grammar_rows(grammar, fw)
+            if verify is not None:  # drafts the grammar refuses are never accepted
+                verify = dataclasses.replace(verify, is_draft_row=verify.is_draft_row & cut)
         if self.tp_rank == 0:
             if grammar is not None:
-                apply_token_bitmask(fw.logits, self._bitmask_rows(grammar, fw.req_ids))
+                apply_token_bitmask(fw.logits, mask if mask is not None else self._bitmask_rows(grammar, fw.req_ids))
             result = self.sampler(fw.logits, fw.sampling())
             sampled, logprobs = result.sampled_token_ids, result.logprobs
         else:
-            sampled = torch.empty(len(fw.req_ids), dtype=torch.int64, device=self.device)
+            sampled = torch.empty(fw.logits.shape[0], dtype=torch.int64, device=self.device)  # one per row
         tp_broadcast(sampled, src=0)
-        self.batch.token_table.view(-1).index_copy_(0, fw.dest, sampled)
+        table = self.batch.token_table
+        if fw.spec is None:
+            table.view(-1).index_copy_(0, fw.dest, sampled)
+            return AsyncModelOutput(fw.step_id, fw.req_ids, sampled, logprobs, fw.prompt_logprobs, self.copy_stream,
+                                    self.host_ring)
+        # Speculative decoding (every rank: the ids are the same everywhere): verify the
+        # drafts (read before the ids overwrite them), then propose after the emitted tokens.
+        assert self.spec is not None and verify is not None
+        num_emitted = self.spec.verify(table, fw.dest, sampled, verify)
+        table.view(-1).index_copy_(0, fw.dest, sampled)
+        lengths = verify.base_len + num_emitted
+        self.spec.propose(table, verify.rows, lengths, verify.window, self.batch.block_table_device)
+        spec_out = (num_emitted, fw.spec_rows) if fw.spec_rows is not None else None
+        drafts = None
+        if grammar is not None:  # the engine core builds the next masks over these drafts
+            pos = {rid: i for i, rid in enumerate(fw.req_ids)}
+            cols = (lengths[:, None] + torch.arange(self.spec.k, device=self.device)).clamp(max=self.batch.width - 1)
+            drafts = (table[verify.rows[:, None], cols], [(rid, pos[rid]) for rid in grammar.req_ids])
         return AsyncModelOutput(fw.step_id, fw.req_ids, sampled, logprobs, fw.prompt_logprobs, self.copy_stream,
-                                self.host_ring)
+                                self.host_ring, spec_out, drafts)
+
+    def _grammar_rows(self, grammar: GrammarOutput, fw: LaunchedForward) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative decoding: the bitmask by sampled row (``1 + k`` per request), on the
+        device, and which rows' drafts the grammar allows ([R] bool); the flags travel as one
+        more column of the staged bitmask."""
+        counts = fw.row_counts
+        assert counts is not None
+        first = (np.cumsum(counts) - counts).tolist()
+        pos = {rid: i for i, rid in enumerate(fw.req_ids)}
+        n_rows = grammar.num_rows or [1] * len(grammar.req_ids)
+        valid = grammar.num_valid_drafts or [0] * len(grammar.req_ids)
+        words = grammar.bitmask.shape[1]
+        ext = torch.empty((grammar.bitmask.shape[0], words + 1), dtype=torch.int32)
+        ext[:, :words] = grammar.bitmask
+        rows: list[int] = []
+        g = 0
+        for c, rid in enumerate(grammar.req_ids):
+            s = pos.get(rid)
+            if s is None or int(counts[s]) != n_rows[c]:
+                raise RuntimeError(f"step {grammar.step_id}: bitmask rows of {rid!r} do not match its sampled rows")
+            m = n_rows[c]
+            rows += range(first[s], first[s] + m)
+            ext[g:g + m, words] = (torch.arange(m) < valid[c]).to(torch.int32)
+            g += m
+        dev = self.bitmasks.stage(ext, rows, int(counts.sum()))
+        return dev[:, :words].contiguous(), dev[:, words] != 0
 
     def _bitmask_rows(self, grammar: GrammarOutput, req_ids: list[str]) -> torch.Tensor:
         """The bitmask laid out by sampled row (unconstrained rows all ones), on the device."""
@@ -502,9 +673,12 @@ class ModelRunner:
 
     # -- 4. sampling inputs ----------------------------------------------------------------
     def _stage_sampling(self, plan: StepPlan, sample_idx: np.ndarray,
-                        seq_lens: np.ndarray) -> tuple[Callable[[], SamplingMetadata], bool]:
-        """Stage the sampled rows' parameters. Returns a thunk that builds the metadata from
-        device views after the upload (only the settings some row uses travel), and whether
+                        row_lens: np.ndarray) -> tuple[Callable[..., SamplingMetadata], bool]:
+        """Stage the sampled rows' parameters (row ``r`` samples for the request at batch
+        index ``sample_idx[r]`` at sequence length ``row_lens[r]``: a request verifying
+        drafts has several rows). Returns a thunk that builds the metadata from device views
+        after the upload (only the settings some row uses travel; its optional argument moves
+        each row's length back on the device, see ``tandem.worker.speculative``), and whether
         the step is plain greedy (argmax alone decides: a decode graph's own choice stands)."""
         b = self.batch
         sb = self.staging
@@ -525,9 +699,9 @@ class ModelRunner:
             if len(seeded):
                 seg["seeded_rows"] = sb.put(seeded.astype(np.int64))
                 seg["seeds"] = sb.put(b.seed[rows[seeded]])
-                n_out = seq_lens[sample_idx] - b.num_prompt_tokens[rows]
+                n_out = row_lens - b.num_prompt_tokens[rows]
                 seg["output_index"] = sb.put(n_out[seeded].astype(np.int64))
-        n_out_all = seq_lens[sample_idx] - b.num_prompt_tokens[rows]
+        n_out_all = row_lens - b.num_prompt_tokens[rows]
         if (n_out_all < b.min_tokens[rows]).any():
             seg["min_tokens_rows"], seg["min_tokens_cols"] = self._stage_min_tokens(plan, sample_idx, n_out_all)
         if b.logit_bias:
@@ -543,7 +717,7 @@ class ModelRunner:
             seg["presence_penalty"] = sb.put(b.presence_penalty[rows])
             seg["pen_rows"] = sb.put(rows.astype(np.int64))
             seg["pen_plen"] = sb.put(b.num_prompt_tokens[rows].astype(np.int64))
-            seg["pen_slen"] = sb.put(seq_lens[sample_idx].astype(np.int64))
+            seg["pen_slen"] = sb.put(row_lens.astype(np.int64))
             max_p = int(b.num_prompt_tokens[rows].max())
             max_o = int(max(n_out_all.max(), 1))
         lp = b.num_logprobs[rows]
@@ -551,8 +725,13 @@ class ModelRunner:
         plain_greedy = (all_greedy and max_lp is None and not use_pen and "min_tokens_rows" not in seg
                         and "logit_bias_index" not in seg)
 
-        def build() -> SamplingMetadata:
+        def build(corr_rows: Optional[torch.Tensor] = None) -> SamplingMetadata:
             v = {k: sb.view(s) for k, s in seg.items()}
+            if corr_rows is not None:  # positions were optimistic (speculative decoding, async)
+                if "pen_slen" in v:
+                    v["pen_slen"] = v["pen_slen"] - corr_rows
+                if "output_index" in v:
+                    v["output_index"] = v["output_index"] - corr_rows[v["seeded_rows"]]
             md = SamplingMetadata(
                 temperature=v.get("temperature", torch.zeros(0, device=self.device)),
                 all_greedy=all_greedy,
@@ -601,6 +780,65 @@ class ModelRunner:
         out = table[rows[:, None], oi.clamp(max=width - 1)]
         out = torch.where(oi < s_len[:, None], out, self.vocab_size)
         return prompt, out
+
+    # -- speculative decoding (tandem.worker.speculative) -------------------------------------
+    def _stage_spec(self, plan: StepPlan, layout: SampleLayout, sample_idx: np.ndarray,
+                    seq_lens: np.ndarray) -> Optional[tuple[dict[str, Segment], int]]:
+        """Stage what verification, the proposer and the correction of optimistic positions
+        read; with the proposer's window (a host bound on every sampling request's length)."""
+        if not len(sample_idx):
+            return None
+        assert plan.correct is not None
+        sb = self.staging
+        m = layout.num_rows
+        first = np.cumsum(m) - m
+        j = np.arange(int(m.sum()), dtype=np.int64) - np.repeat(first, m)
+        segs = {
+            "row_seq": sb.put(np.repeat(np.arange(len(m), dtype=np.int64), m)),
+            "is_draft": sb.put((j < np.repeat(m - 1, m)).astype(np.int32)),
+            "first_row": sb.put(np.repeat(first, m)),
+            "rows": sb.put(plan.rows[sample_idx].astype(np.int64)),
+            "drafts": sb.put(layout.drafts),
+            "base_len": sb.put(seq_lens[sample_idx].astype(np.int64) - layout.drafts),
+        }
+        if plan.correct.any():
+            segs["flags"] = sb.put(plan.correct.astype(np.int64))
+            segs["tok_seq"] = sb.put(np.repeat(np.arange(plan.num_seqs, dtype=np.int64), plan.counts))
+            segs["row_b"] = sb.put(layout.seq)
+            segs["sample_idx"] = sb.put(sample_idx.astype(np.int64))
+        return segs, int(seq_lens[sample_idx].max()) + 1
+
+    def _spec_inputs(self, plan: StepPlan, segs: BatchSegments, sample_dest: Segment,
+                     staged: tuple[dict[str, Segment], int]
+                     ) -> tuple[VerifyInputs, Optional[torch.Tensor], Optional[np.ndarray]]:
+        """The verify inputs, after moving optimistic positions back on the device (async
+        scheduling after a verify step); with each sampling row's correction and the
+        corrected sequence lengths for the host (None: nothing was optimistic)."""
+        assert self.spec is not None
+        sb = self.staging
+        v = {k: sb.view(seg) for k, seg in staged[0].items()}
+        base_len = v["base_len"]
+        corr_rows = corrected = None
+        if "flags" in v:
+            B, T = plan.num_seqs, int(plan.counts.sum())
+            rows_b = sb.view(segs.rows)[:B]
+            corr = self.spec.corrections(rows_b, v["flags"])
+            tok_seq = v["tok_seq"]
+            SpecDecoder.correct_tokens(corr[tok_seq], sb.view(segs.positions)[:T], sb.view(segs.gather)[:T],
+                                       sb.view(segs.slots)[:T], rows_b.long()[tok_seq], self.batch.block_table_device,
+                                       self.block_size)
+            lens = sb.view(segs.seq_lens)[:B]
+            lens.sub_(corr.to(lens.dtype))
+            sb.view(segs.dest)[:B].sub_(corr)
+            corr_rows = corr[v["row_b"]]
+            sb.view(sample_dest).sub_(corr_rows)
+            base_len = base_len - corr[v["sample_idx"]]
+            # The SDPA backend loops over sequences on the host (on CUDA this waits for the
+            # device; the Triton backend reads the device lengths and does not).
+            corrected = lens.cpu().numpy().copy() if self.backend == "sdpa" else plan.starts + plan.counts
+        verify = VerifyInputs(v["row_seq"], v["is_draft"].bool(), v["first_row"], v["rows"], v["drafts"], base_len,
+                              staged[1])
+        return verify, corr_rows, corrected
 
     def _prompt_logprobs(self, plan: StepPlan, qsl: np.ndarray, hidden: torch.Tensor) -> dict[str, LogprobsTensors]:
         """Logprobs of each prompt position in this step's chunk (target = next prompt token)."""

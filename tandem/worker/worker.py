@@ -63,12 +63,28 @@ class Worker:
                         backend, world_size)
         if backend == "triton":
             use_fused_kernels(module)
+        # Speculative decoding with a draft model: loaded beside the target, its KV cache in
+        # the same blocks (the target's block table addresses both).
+        from tandem.models.draft import draft_model_config
+
+        self.draft_config = draft_model_config(config, model_config, check=False)
+        draft: Optional[CausalLM] = None
+        if self.draft_config is not None:
+            draft_module = load_model(self.draft_config.folder, self.dtype, self.device,
+                                      hf_config=self.draft_config.hf_config)
+            if backend == "triton":
+                use_fused_kernels(draft_module)
+            draft = cast(CausalLM, draft_module)
         self.runner = ModelRunner(self.model, model_config.vocab_size, config.block_size, model_config.max_model_len,
                                   model_config.max_num_seqs, model_config.max_num_batched_tokens, self.device,
-                                  self.dtype, attention_backend=backend, cuda_graphs=graphs)
+                                  self.dtype, attention_backend=backend, cuda_graphs=graphs,
+                                  speculative=config.speculative_config, draft_model=draft)
+        self.draft = draft
 
     def block_bytes(self) -> int:
-        return self.model_config.kv_block_bytes(self.config.block_size, self.config.tensor_parallel_size)
+        tp = self.config.tensor_parallel_size
+        draft = self.draft_config.kv_block_bytes(self.config.block_size, tp) if self.draft_config is not None else 0
+        return self.model_config.kv_block_bytes(self.config.block_size, tp) + draft
 
     @torch.inference_mode()
     def determine_num_kv_blocks(self) -> int:
@@ -93,6 +109,8 @@ class Worker:
         # This instance's share: weights + activation peak + KV <= utilization * total, and
         # never more than is actually free (another engine may share the device).
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.draft is not None:
+            weights += sum(p.numel() * p.element_size() for p in self.draft.parameters())
         free, total = torch.cuda.mem_get_info()
         budget = min(total * self.config.gpu_memory_utilization - weights - activations,
                      free - activations - (512 << 20))
@@ -104,8 +122,11 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
-        self.runner.init_kv_cache(num_blocks, mc.num_layers, mc.num_kv_heads_per_rank(self.config.tensor_parallel_size),
-                                  mc.head_dim)
+        tp = self.config.tensor_parallel_size
+        dc = self.draft_config
+        if dc is not None:  # before the target's: its init warms up and captures graphs
+            self.runner.init_draft_kv_cache(num_blocks, dc.num_layers, dc.num_kv_heads_per_rank(tp), dc.head_dim)
+        self.runner.init_kv_cache(num_blocks, mc.num_layers, mc.num_kv_heads_per_rank(tp), mc.head_dim)
 
     def execute_model(self, so: SchedulerOutput) -> Optional[AsyncModelOutput]:
         """Launch one step. Rank 0 returns its output handle; other ranks return None (they

@@ -346,6 +346,20 @@ CASES = [
     api_case('StructuredOutputsParams(regex="t2", json_object=True)', "exactly one of json, regex, choice"),
     api_case('SamplingParams(structured_outputs={"json": "[1]"})', "json must be a JSON schema object"),
     api_case('LLM(tiny, structured_outputs_backend="outlines")', "structured_outputs_backend must be"),
+    # -- speculative decoding (issue 20) -----------------------------------------------------------
+    # (JSON braces doubled: the flags go through str.format for the {tiny}/{tmp} paths.)
+    cli_case("--speculative-config with an unknown method", "method must be one of 'ngram' or 'draft_model'", *TINY,
+             "--speculative-config", '{{"method": "medusa", "num_speculative_tokens": 2}}', "--prompt", "t5"),
+    cli_case("--speculative-config num_speculative_tokens out of range",
+             "num_speculative_tokens must be an integer in [1, 16]", *TINY,
+             "--speculative-config", '{{"method": "ngram", "num_speculative_tokens": 99}}', "--prompt", "t5"),
+    cli_case("--speculative-config not JSON", "speculative-config", *TINY, "--speculative-config", "ngram",
+             "--prompt", "t5"),
+    cli_case("draft model with another vocabulary", "a draft must share the target's vocabulary", *TINY,
+             "--speculative-config", '{{"method": "draft_model", "model": "{tmp}/vocab256", '
+             '"num_speculative_tokens": 3}}', "--prompt", "t5"),
+    api_case('LLM(tiny, speculative_config={"method": "draft_model", "model": tiny, "num_speculative_tokens": 3})',
+             "is available; use a smaller draft model", setup=("low_memory",)),
 ]
 RESULTS: dict[str, tuple[str, str]] = {}  # case id -> (result, message)
 
@@ -364,6 +378,9 @@ def files(tmp_path_factory, tiny_llama) -> dict[str, str]:
         shutil.copytree(tiny_llama, tmp / name)
         (tmp / name / drop).unlink()
     shutil.copytree(tiny_llama, tmp / "badjson")
+    shutil.copytree(tiny_llama, tmp / "vocab256")  # a draft model whose vocabulary differs from the target's
+    cfg = json.loads((tmp / "vocab256" / "config.json").read_text())
+    (tmp / "vocab256" / "config.json").write_text(json.dumps({**cfg, "vocab_size": 256}))
     (tmp / "badjson" / "config.json").write_text("{oops")
     (tmp / "weights.bin").write_bytes(b"\0" * 16)
     # GGUF magic, version 3, then the file ends inside the tensor count: the reader's struct.unpack fails.
@@ -397,6 +414,10 @@ def llms(tiny_llama):
 def _setup(case: Case, monkeypatch, tmp_path: Path) -> None:
     if "default_model" not in case.setup:  # GGUF conversion attempts: keep them out of ~/.cache
         monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    if "low_memory" in case.setup:  # a machine with 1 KiB free: no draft model fits
+        import tandem.models.draft
+
+        monkeypatch.setattr(tandem.models.draft, "available_memory_bytes", lambda: 1024)
     if "no_cuda" in case.setup:
         import torch
 

@@ -124,3 +124,27 @@ def test_step_fill_equals_row_by_row_fill(backend, tokenizer):
     step = torch.full_like(one, 7)
     backend.fill_bitmasks(matchers, step, rows)
     assert torch.equal(one, step) and (step[0::2] == 7).all()
+
+
+def test_draft_masks_cover_the_accepted_drafts_and_leave_the_matcher_as_it_was(backend, tokenizer):
+    """Speculative decoding: row j is the mask after the first j drafts, up to the first draft
+    the grammar refuses (the count returned); the matcher is where it started."""
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    m = backend.compile(GrammarSpec.of(S(regex=r"\d{3}-[a-z]+;"))).new_matcher()
+    ids = tokenizer.encode("123-abc;", add_special_tokens=False)
+    letter = tokenizer.encode("x", add_special_tokens=False)[0]
+    words = -(-vocab // 32)
+    drafts = ids[:2] + [letter] + ids[2:4]  # the third draft is refused: it and all after are cut
+    bm = torch.full((1 + len(drafts), words), 0, dtype=torch.int32)
+    assert m.draft_masks(drafts, bm, 0) == 2
+    for j in range(3):
+        ref = backend.compile(GrammarSpec.of(S(regex=r"\d{3}-[a-z]+;"))).new_matcher()
+        for t in drafts[:j]:
+            assert ref.accept_token(t)
+        want = torch.full((1, words), -1, dtype=torch.int32)
+        ref.fill_bitmask(want, 0)
+        assert torch.equal(bm[j], want[0]), j
+    assert (bm[3:] == 0).all()  # cut rows are left as they were
+    for t in ids:  # the matcher itself never moved
+        assert m.accept_token(t)
+    assert m.accept_token(eos) and m.is_terminated

@@ -70,6 +70,11 @@ _CORE_COUNTERS = (
      "num_steps_launched_ahead"),
     ("tandem:engine_idle_seconds", "Seconds the engine loop waited with no work", "idle_seconds"),
     ("tandem:engine_step_errors", "Engine steps that failed", "num_step_errors"),
+    ("tandem:spec_decode_num_drafts", "Speculative decoding: proposals verified (one per request per step)",
+     "spec_num_drafts"),
+    ("tandem:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified", "spec_num_draft_tokens"),
+    ("tandem:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted",
+     "spec_num_accepted_tokens"),
 )
 
 
@@ -98,6 +103,13 @@ class _CoreCollector:
         for metric, doc, attr in _CORE_COUNTERS:
             c = CounterMetricFamily(metric, doc, labels=["model_name"])
             c.add_metric([name], _core_value(core, attr))
+            yield c
+        if core.spec_accepted_per_position:
+            c = CounterMetricFamily("tandem:spec_decode_num_accepted_tokens_per_pos",
+                                    "Speculative decoding: draft tokens accepted at each position of the proposal",
+                                    labels=["model_name", "position"])
+            for pos, n in enumerate(core.spec_accepted_per_position):
+                c.add_metric([name, str(pos)], float(n))
             yield c
 
 
