@@ -229,12 +229,18 @@ class AsyncLLM:
 
     async def _output_handler(self) -> None:
         try:
-            while True:
+            while not self._shut_down:
                 try:
                     batch = await asyncio.wait_for(self.client.get_output(), self.hang_timeout_s)
                 except asyncio.TimeoutError:
                     raise EngineDeadError(f"the engine core sent nothing for {self.hang_timeout_s:.0f} s "
                                           "(not even a heartbeat): it is frozen") from None
+                if self._shut_down:
+                    # shutdown() cancelled this task, but before Python 3.12 ``wait_for`` swallows
+                    # a cancellation that arrives once its awaitable has finished (a batch was
+                    # already queued) and returns the batch: the handler would read the core's
+                    # heartbeats forever and shutdown() would never return. Stop here.
+                    return
                 if batch.fatal_error is not None:
                     raise EngineDeadError(f"the engine core failed: {batch.fatal_error}")
                 if batch.heartbeat:

@@ -94,6 +94,35 @@ def test_abort_frees_blocks_and_stop_strings_stop_the_core(tiny_llama):
     asyncio.run(main())
 
 
+def test_shutdown_returns_while_batches_are_queued(tiny_llama):
+    """Regression: ``shutdown`` cancels the output handler while batches (here heartbeats)
+    are already queued. ``asyncio.wait_for`` (before Python 3.12) then returns the batch and
+    swallows the cancellation, and the handler used to read the core's heartbeats forever:
+    ``shutdown`` never returned (what hung the structured-outputs test across the process)."""
+    from tandem.engine.engine_core import EngineCore
+    from tandem.engine.inproc_client import InprocEngineCoreClient
+    from tandem.engine.prepare import prepare_model
+
+    async def main():
+        config = EngineConfig(model=tiny_llama, **ENGINE)
+        model_config = prepare_model(config)
+        client = InprocEngineCoreClient(EngineCore(config, model_config), heartbeat_s=0.002)
+        engine = AsyncLLM(config, client, model_config.info)
+        async for out in engine.generate("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4)):
+            pass
+        assert out.finished and out.error is None
+        time.sleep(0.1)  # the loop is blocked: heartbeats pile up in the client's queue
+        await asyncio.sleep(0)  # the handler starts on the backlog; shutdown catches it mid-read
+        stopping = asyncio.ensure_future(engine.shutdown())
+        done, _ = await asyncio.wait({stopping}, timeout=10)
+        if not done:  # stop the core so that the handler (and this test) can end
+            await asyncio.to_thread(client.shutdown)
+            await stopping
+        assert done, "AsyncLLM.shutdown did not return within 10 s"
+
+    asyncio.run(main())
+
+
 async def wait_idle(engine: AsyncLLM, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
