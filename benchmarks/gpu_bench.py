@@ -38,6 +38,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False, rope_theta=1e6),
 }
 MAX_LEN = 8192 + 256
 
@@ -201,7 +203,8 @@ def tandem_llm(folder: str, **kw: Any) -> Any:
     return LLM(folder, **base)
 
 
-def bench_tandem(folder: str, workloads: list[str], rounds: int, vocab: int) -> dict[str, Any]:
+def bench_tandem(folder: str, workloads: list[str], rounds: int, vocab: int,
+                 only: Optional[list[str]] = None) -> dict[str, Any]:
     from tandem import SamplingParams
 
     out: dict[str, Any] = {}
@@ -210,6 +213,8 @@ def bench_tandem(folder: str, workloads: list[str], rounds: int, vocab: int) -> 
     tput = prompts_of(256, 128, vocab, seed=1)
     sp = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     for name, kw in modes.items():
+        if only and name not in only:
+            continue
         try:
             out[name] = _bench_tandem_mode(folder, name, kw, workloads, rounds, vocab, tput, sp)
         except Exception as e:  # keep the other modes' numbers
@@ -350,6 +355,8 @@ def main() -> int:
     ap.add_argument("--workloads", default="throughput,batch1,prefill")
     ap.add_argument("--systems", default="tandem,hf_static,hf_batch")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tandem-modes", default="", help="comma list of tandem_sync, tandem_async, tandem_async_eager "
+                    "(default: all three)")
     ap.add_argument("--out", default="gpu_bench.json")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -383,7 +390,8 @@ def main() -> int:
             save()
 
         if "tandem" in systems:
-            row.update(bench_tandem(folder, workloads, a.rounds, shape["vocab_size"]))
+            row.update(bench_tandem(folder, workloads, a.rounds, shape["vocab_size"],
+                                   a.tandem_modes.split(",") if a.tandem_modes else None))
             save()
         tput = prompts_of(256, 128, shape["vocab_size"], seed=1)
         if "hf_batch" in systems and "throughput" in workloads:

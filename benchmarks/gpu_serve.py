@@ -39,9 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_common  # noqa: E402
 from gpu_bench import SHAPES, build_model, free_cuda, log  # noqa: E402
 
-SHAPES = {**SHAPES, "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                                        tie_word_embeddings=False, rope_theta=1e6)}
 ENGINE = dict(max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False, max_model_len=2048,
               gpu_memory_utilization=0.85)
 VOCAB_FOR_PROMPTS = 1000  # the benchmark tokenizer's words t0..t999 (any id below the model's vocabulary works)

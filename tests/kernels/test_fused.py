@@ -131,7 +131,12 @@ def test_rotary_fused_into_the_kv_write(dtype, cache_dtype, heads, kv_heads, hea
     rotary_write_kv_cache_(pos, q, k, v, rope.cos_cache, rope.sin_cache, rotary_dim, got_cache, slots,
                            qk_norm=(norms[0].weight, norms[1].weight, 1e-6) if qk_norm else None)
     _close(q.reshape(T, -1), want_q)
-    _close(got_cache, want_cache)
+    if cache_dtype == dtype:
+        _close(got_cache, want_cache)
+    else:  # a wider cache: the compiled kernel may fold the round trip through the activation
+        # dtype (fp32 -> fp16 -> fp32) away and keep the key's extra bits, so the cache holds
+        # it to within one rounding step of the activation dtype, not bit for bit.
+        _close(got_cache.to(dtype), want_cache.to(dtype))
     torch.testing.assert_close(buf[:, heads * head_dim:], qkv[:, heads * head_dim:], rtol=0, atol=0)  # k, v kept
 
 
