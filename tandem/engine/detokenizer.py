@@ -44,6 +44,23 @@ _MAX_PROMPT_CONTEXT = 24
 _REPLACEMENT_CHAR = "\ufffd"
 
 
+# Feeding at least this many ids at once to a fresh detokenizer decodes them in one call.
+_AT_ONCE_MIN = 8
+
+
+def _concatenative(backend: Any) -> bool:
+    """Whether the backend's decoder makes ``decode(a + b)`` extend ``decode(a)`` by text
+    that depends on ``b`` and a clean split point only, so that the stream's per-window
+    differences add up to one difference of full decodes: a byte-level decoder (GPT-2,
+    Llama 3, Qwen, SmolLM2: the text is the UTF-8 of the concatenated token bytes) or none
+    (tokens joined by spaces). SentencePiece chains (``Strip``, ``Fuse``, byte fallback)
+    are left to the stream."""
+    from tokenizers import decoders
+
+    decoder = backend.decoder
+    return decoder is None or isinstance(decoder, decoders.ByteLevel)
+
+
 def _backend_of(tokenizer: Any):
     """The underlying ``tokenizers.Tokenizer`` of a fast tokenizer, or None."""
     if _RustTokenizer is not None and isinstance(tokenizer, _RustTokenizer):
@@ -194,8 +211,14 @@ class IncrementalDetokenizer:
                 return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
                                         spaces_between_special_tokens=spaces_between_special_tokens) if ids else ""
         context, pending = _prompt_context(decode, prompt_token_ids)
+        self._decode = decode
+        # Where ids arrive many at once (a lazy caller's first catch-up), one decode call
+        # can stand in for a stream step per id; see _update_at_once.
+        self._at_once_context: list[int] | None = None
         if backend is not None:  # the Rust decoder writes special tokens as they are (as HF's fast tokenizers do)
             self._stream = _FastStream(backend, context, skip_special_tokens)
+            if not pending and _concatenative(backend):
+                self._at_once_context = list(context)
         else:
             self._stream = _DecodeDiffStream(tokenizer, context, skip_special_tokens, spaces_between_special_tokens)
 
@@ -226,6 +249,10 @@ class IncrementalDetokenizer:
             # Nothing to match and no prompt text to drop: the loop below reduced to its
             # essentials, for a lazy caller that feeds a request's ids in one call.
             ids = [int(t) for t in new_token_ids]
+            if self._at_once_context is not None and not self._token_ids and len(ids) >= _AT_ONCE_MIN:
+                if self._update_at_once(ids):
+                    return None
+            self._at_once_context = None
             self._token_ids += ids
             self._text += "".join([c for c in map(self._stream.step, ids) if c])
             return None
@@ -245,6 +272,31 @@ class IncrementalDetokenizer:
             if self.stop and self._check_stop_strings(len(chunk)):
                 return self.stop_str_matched
         return None
+
+    def _update_at_once(self, ids: list[int]) -> bool:
+        """The first ids of a request without stop strings, in one decode call: the text a
+        stream step per id would emit, ``decode(context + ids)[len(decode(context)):]``, when
+        that is sure to be the same (see ``_concatenative``; the text must not end inside a
+        character, which the stream would hold back). The stream is then reseeded after
+        ``ids``, for any later ids. False (nothing changed) where the shortcut does not hold."""
+        context = self._at_once_context
+        assert context is not None
+        self._at_once_context = None
+        if any(t < 0 for t in ids):  # invalid ids: the stream's own handling (it skips them)
+            return False
+        try:
+            full = self._decode(context + ids)
+        except (OverflowError, TypeError, ValueError):
+            return False
+        head = self._decode(context)
+        if not full.startswith(head) or full.endswith(_REPLACEMENT_CHAR):
+            return False
+        stream = self._stream
+        assert isinstance(stream, _FastStream)
+        self._stream = _FastStream(stream._backend, (context + ids)[-_MAX_PROMPT_CONTEXT:], stream._skip)
+        self._token_ids += ids
+        self._text += full[len(head):]
+        return True
 
     def _check_stop_strings(self, new_char_count: int) -> bool:
         """Look for a stop string in the newly added text (plus len(stop)-1 characters before

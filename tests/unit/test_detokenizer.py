@@ -500,3 +500,48 @@ def test_streaming_concatenation_equals_final_text(sp_tok, include):
             break
     assert "".join(chunks) == d.output_text
     assert d.output_text == (" world 你好 😀 test STOP" if include else " world 你好 😀 test ")
+
+
+# --------------------------------------------------------------------------- one decode call
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", ["bpe", "word"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_first_ids_in_one_call_give_the_stream_text(bpe_tok, which, skip):
+    """A fresh detokenizer fed many ids at once (the lazy catch-up) decodes them in one
+    call for byte-level and decoder-less tokenizers: the text, the ids and every later
+    step equal feeding the ids one at a time, for random ids (special tokens, multi-byte
+    characters split across tokens, ids that end inside a character) after random prompts
+    (some ending inside a character)."""
+    from tiny_models import make_word_tokenizer
+
+    if which == "bpe":
+        tok = bpe_tok
+        words = [enc(tok, t) for t in MULTIBYTE_TEXTS] + [list(tok.all_special_ids)]
+    else:
+        tok = make_word_tokenizer(300)
+        tok.backend_tokenizer.decoder = None  # tokens joined by spaces (gpu_bench's tokenizer)
+        words = [list(range(300))]
+    vocab = len(tok)
+    rng = random.Random(11)
+    shortcut = 0
+    for case in range(300):
+        pool = rng.choice(words)
+        prompt = [rng.choice(pool) if rng.random() < 0.7 else rng.randrange(vocab) for _ in range(rng.randint(0, 30))]
+        out = [rng.choice(pool) if rng.random() < 0.7 else rng.randrange(vocab) for _ in range(rng.randint(8, 60))]
+        later = [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
+        want = stream(tok, prompt, out + later, skip_special_tokens=skip)
+        d = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        before = d._stream
+        d.update(out)
+        shortcut += d._stream is not before  # reseeded: the one-call path was taken
+        for t in later:
+            d.update([t])
+        assert d.output_text == want.output_text, (case, prompt, out, later)
+        assert d.output_token_ids == out + later
+    assert shortcut > 100  # the one-call path was taken (not only the stream's)
+
+
+@pytest.mark.timeout(60)
+def test_sentencepiece_chains_keep_the_stream(sp_tok):
+    d = IncrementalDetokenizer(sp_tok, enc(sp_tok, "Hello"))
+    assert d._at_once_context is None
