@@ -225,15 +225,14 @@ def structured_runs(folder: str, count: str, args: argparse.Namespace, tmp: str)
 def guidellm_run(folder: str, count: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     """guidellm (if installed) against ``--api-server-count count``: 64 streams, 512 requests,
     synthetic prompts of ``--input-len`` tokens, ``--output-len`` output tokens; its console report."""
-    import shutil
+    import importlib.util
 
-    exe = shutil.which("guidellm")
-    if exe is None:
+    if importlib.util.find_spec("guidellm") is None:
         return {"error": "guidellm is not installed"}
     log_path = os.path.join(tmp, f"server-guidellm-{count}.log")
     proc, port = start_server(folder, count, log_path)
     try:
-        cmd = [exe, "run", "--backend", f"kind=openai_http,target=http://127.0.0.1:{port},request_format=/v1/completions",
+        cmd = [sys.executable, "-m", "guidellm", "run", "--backend", f"kind=openai_http,target=http://127.0.0.1:{port},request_format=/v1/completions",
                "--profile", "kind=concurrent,streams=64", "--tokenizer", f"kind=huggingface_auto,model={folder}",
                "--data", f"kind=synthetic_text,prompt_tokens={args.input_len},output_tokens={args.output_len}",
                "--constraint", "kind=max_requests,count=512", "--output", "kind=console"]

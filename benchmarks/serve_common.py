@@ -40,7 +40,9 @@ def start_server(model: Optional[str], engine_args: list[str], log_path: str,
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+            log.close()
+            tail = open(log_path, "rb").read()[-3000:].decode(errors="replace")
+            raise RuntimeError(f"server exited with {proc.returncode}; {log_path} ends:\n{tail}")
         try:  # healthy, and every API-server process up (the launcher says "serving" last)
             if httpx.get(f"{url}/health", timeout=2).status_code == 200 and b"tandem: serving" in open(
                     log_path, "rb").read():

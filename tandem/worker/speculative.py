@@ -106,7 +106,9 @@ class SpecDecoder:
         self.last_rejected = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
 
     def reset_row(self, row: int) -> None:
-        self.last_rejected[row] = 0
+        # A one-element view zeroed by a kernel: indexed assignment of a Python number can
+        # stage the value through pageable host memory, which synchronizes.
+        self.last_rejected[row:row + 1].zero_()
 
     # -- correction (async scheduling) ------------------------------------------------------
     def corrections(self, rows: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
