@@ -117,6 +117,10 @@ class _FastStream:
             for tid in context:
                 self.step(tid)
 
+    def reseeded(self, context: list[int]) -> "_FastStream":
+        """A new stream over the same backend whose next step follows ``context``."""
+        return _FastStream(self._backend, context, self._skip)
+
     def step(self, token_id: int) -> str | None:
         try:
             return self._stream.step(self._backend, token_id)
@@ -291,9 +295,8 @@ class IncrementalDetokenizer:
         head = self._decode(context)
         if not full.startswith(head) or full.endswith(_REPLACEMENT_CHAR):
             return False
-        stream = self._stream
-        assert isinstance(stream, _FastStream)
-        self._stream = _FastStream(stream._backend, (context + ids)[-_MAX_PROMPT_CONTEXT:], stream._skip)
+        assert isinstance(self._stream, _FastStream)
+        self._stream = self._stream.reseeded((context + ids)[-_MAX_PROMPT_CONTEXT:])
         self._token_ids += ids
         self._text += full[len(head):]
         return True
