@@ -120,9 +120,11 @@ class StepClock:
         ex.execute_model = execute_model
 
 
-def run_engine(llm: Any, prompts: list[list[int]], sp: Any, profile_steps: Optional[tuple[int, int]] = None
-               ) -> dict[str, Any]:
-    """Drive the engine step by step (so a window of steps can be profiled)."""
+def run_engine(llm: Any, prompts: list[list[int]], sp: Any, profile_steps: Optional[tuple[int, int]] = None,
+               cprofile: Any = None, trace_path: Optional[str] = None) -> dict[str, Any]:
+    """Drive the engine step by step (so a window of steps can be profiled: a torch.profiler
+    trace, written to ``trace_path`` (Chrome format) if given, and ``cprofile``, a
+    ``cProfile.Profile``, over the same steps if given)."""
     engine = llm.engine
     core = engine.core
     clock = StepClock(core)
@@ -135,14 +137,17 @@ def run_engine(llm: Any, prompts: list[list[int]], sp: Any, profile_steps: Optio
     out_tokens = 0
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for rid, p in zip(ids, prompts):
-        engine.add_request(rid, p, sp)
+    sps = sp if isinstance(sp, list) else [sp] * len(prompts)  # one per request, or one for all
+    for rid, p, one_sp in zip(ids, prompts, sps):
+        engine.add_request(rid, p, one_sp)
     n = 0
     while engine.has_unfinished_requests():
         if profile_steps and n == profile_steps[0]:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                       torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
+            if cprofile is not None:
+                cprofile.enable()
         ts = time.perf_counter()
         for o in engine.step(final_only=True):
             if o.finished:
@@ -151,7 +156,12 @@ def run_engine(llm: Any, prompts: list[list[int]], sp: Any, profile_steps: Optio
         n += 1
         if prof is not None and profile_steps and n == profile_steps[1]:
             torch.cuda.synchronize()
+            if cprofile is not None:
+                cprofile.disable()
             prof.__exit__(None, None, None)
+            if trace_path:
+                prof.export_chrome_trace(trace_path)
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
             prof_window = (profile_steps[0], n)
             profile = summarize_profile(prof)
             prof = None

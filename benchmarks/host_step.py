@@ -74,6 +74,20 @@ class NullModel(torch.nn.Module):
         return hidden_states
 
 
+def null_apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: Optional[list[int]] = None) -> None:
+    """The null device's masking (``--structured-ratio``): a row whose id the grammar refuses
+    takes the lowest id it allows (the "logits" are the ids themselves, one column)."""
+    ids = logits[:, 0]
+    rows = torch.arange(ids.numel()) if indices is None else torch.as_tensor(indices, dtype=torch.int64)
+    words = bitmask[rows, ids[rows] >> 5]
+    bad = rows[(words >> (ids[rows] & 31)) & 1 == 0]
+    if bad.numel():
+        sub = bitmask[bad]
+        w = (sub != 0).to(torch.int32).argmax(1)
+        x = sub[torch.arange(bad.numel()), w].to(torch.int64) & 0xFFFFFFFF
+        ids[bad] = w * 32 + torch.log2((x & -x).to(torch.float64)).to(torch.int64)
+
+
 class NullSampler(torch.nn.Module):
     """Reads the id the null model put in its one-column "logits" (greedy, no logprobs)."""
 
@@ -154,6 +168,17 @@ def run(args: argparse.Namespace, profile: bool
               async_scheduling=not args.sync, block_size=16)
     timer = StepTimer(llm.engine)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    n_constrained = round(args.structured_ratio * bs)
+    if n_constrained:  # bench serve's schema: no request can close it within its max_tokens
+        from tandem.bench.structured import DEFAULT_SCHEMA
+        from tandem.sampling_params import StructuredOutputsParams
+
+        constrained = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
+                                     structured_outputs=StructuredOutputsParams(json=DEFAULT_SCHEMA))
+        # Compile (and build the backend) before the timed call.
+        llm.generate(_prompts(1, 8, args.seed + 2), constrained.model_copy(update={"max_tokens": 4}), use_tqdm=False)
+        timer.calls.clear()
+        timer.cpu.clear()
     # A small first call: lazy imports and first-use costs stay out of the measured one.
     llm.generate(_prompts(4, args.input_len, args.seed + 1), SamplingParams(max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
@@ -168,7 +193,8 @@ def run(args: argparse.Namespace, profile: bool
         timer.profile_after = -(-bs * args.input_len // max(2048, args.prefill_chunk)) + 2 + args.warmup
         timer.profile_steps = max(1, args.output_len - 2 * timer.profile_after - 4)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
+    params = [sp] * (bs - n_constrained) + ([constrained] * n_constrained if n_constrained else [])
+    outs = llm.generate(prompts, params, use_tqdm=False)
     total = time.perf_counter() - t0
     llm.shutdown()
     other = sum(t for t, n in timer.calls if n != bs)
@@ -186,8 +212,14 @@ def main() -> int:
     ap.add_argument("--sync", action="store_true", help="async_scheduling=False")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of steady decode steps")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--structured-ratio", type=float, default=0.0,
+                    help="share of requests under bench serve's JSON schema (structured outputs)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.structured_ratio:
+        import tandem.worker.model_runner as model_runner
+
+        model_runner.apply_token_bitmask = null_apply_token_bitmask  # type: ignore[assignment]
 
     medians = []
     for r in range(args.repeat):

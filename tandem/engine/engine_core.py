@@ -114,6 +114,8 @@ class EngineCore:
         num_blocks = min(self.executor.collective_rpc("determine_num_kv_blocks"))
         self.executor.collective_rpc("init_kv_cache", num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.structured = StructuredOutputManager(config.structured_outputs_backend, model_config.tokenizer,
+                                                  model_config.vocab_size, list(model_config.eos_token_ids))
         self.scheduler = Scheduler(
             self.kv_cache,
             max_num_seqs=model_config.max_num_seqs,
@@ -121,9 +123,8 @@ class EngineCore:
             max_model_len=model_config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             spec=spec_scheduling(config),
+            accept_grammar_tokens=self.structured.accept_tokens,  # type: ignore[arg-type]
         )
-        self.structured = StructuredOutputManager(config.structured_outputs_backend, model_config.tokenizer,
-                                                  model_config.vocab_size, list(model_config.eos_token_ids))
         self.depth = config.max_concurrent_batches
         self.batch_queue: deque[InFlightStep] = deque()
         self.stats = LoopStats()

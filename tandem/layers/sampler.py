@@ -143,14 +143,17 @@ class Sampler(torch.nn.Module):
         return torch.where(is_greedy, greedy, random)
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                        indices: Optional[torch.Tensor | list[int]] = None) -> None:
     """Structured outputs: set ``-inf`` in place wherever ``bitmask`` (int32 ``[B, ceil(V/32)]``,
-    bit ``t % 32`` of word ``t // 32`` for token ``t``, on the logits' device) has a 0 bit.
+    bit ``t % 32`` of word ``t // 32`` for token ``t``, on the logits' device) has a 0 bit, in
+    the rows ``indices`` (None: every row; a device tensor on CUDA, a list on the CPU).
     xgrammar's kernel (Triton on CUDA, C++ on the CPU), imported only when a constrained
     step runs."""
     import xgrammar
 
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
+                                         indices=indices)  # type: ignore[arg-type]
 
 
 def apply_min_tokens_mask(logits: torch.Tensor, rows: torch.Tensor, cols: Optional[torch.Tensor]) -> torch.Tensor:

@@ -31,16 +31,24 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from tandem.scheduler.kv_cache import KVCacheManager
 from tandem.scheduler.spec import WAIT, SpecScheduling
 from tandem.types.engine_output import INVALID_REQUEST, EngineCoreOutput
+from tandem.types.grammar import RequestGrammar
 from tandem.types.request import Request, RequestStatus
 from tandem.types.runner_output import ModelRunnerOutput
 from tandem.types.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+_NONE_REFUSED: frozenset[int] = frozenset()
+
+
+def _accept_each(grammars: list[RequestGrammar], tokens: list[int]) -> list[bool]:
+    """Advance each grammar by its token (without a batch-capable structured outputs manager)."""
+    return [g.accept_token(t) for g, t in zip(grammars, tokens)]
 
 
 @dataclass
@@ -76,6 +84,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool,
         spec: Optional[SpecScheduling] = None,
+        accept_grammar_tokens: Optional[Callable[[list[RequestGrammar], list[int]], list[bool]]] = None,
     ) -> None:
         self.kv = kv_cache
         self.max_num_seqs = max_num_seqs
@@ -98,6 +107,9 @@ class Scheduler:
         # constrained requests (0: no step needs the grammar bookkeeping), and outputs of
         # requests that ended outside a step (their grammar did not compile).
         self.waiting_for_grammar: list[Request] = []
+        # A step's tokens advance its constrained requests' grammars in one call (the
+        # engine core's StructuredOutputManager.accept_tokens: one C++ call for the batch).
+        self.accept_grammar_tokens = accept_grammar_tokens or _accept_each
         self.num_grammar_requests = 0
         self._outputs: list[EngineCoreOutput] = []
         self.spec = spec  # speculative decoding (tandem.scheduler.spec), None: off
@@ -429,6 +441,8 @@ class Scheduler:
             assert self.spec is not None
             self.spec.apply(self, sched, result, step_reqs, outputs)
             req_ids = []
+        refused = self._advance_grammars(req_ids, result.sampled_token_ids, step_reqs) \
+            if self.num_grammar_requests else _NONE_REFUSED
         for k, (rid, token) in enumerate(zip(req_ids, result.sampled_token_ids)):
             req = step_reqs[rid]
             if req.status >= finished:  # req.is_finished, inlined (hot)
@@ -436,7 +450,7 @@ class Scheduler:
                 continue  # token after the end, or for an aborted request
             req.num_output_placeholders -= 1
             assert req.num_output_placeholders >= 0, f"placeholders went negative: {req}"
-            if req.grammar is not None and not req.grammar.accept_token(token):
+            if k in refused:
                 outputs.append(self._grammar_refused(req, token))
                 continue
             out_ids = req.output_token_ids
@@ -462,6 +476,23 @@ class Scheduler:
             self._add_prompt_logprobs(sched, result, step_reqs, outputs)
         self._release_pending()
         return outputs
+
+    def _advance_grammars(self, req_ids: list[str], tokens: list[int], step_reqs: dict[str, Request]) -> set[int]:
+        """Advance the grammars of the step's live constrained requests by their tokens, in
+        one batch; the positions (in ``req_ids``) whose token a grammar refused."""
+        grammars: list[RequestGrammar] = []
+        toks: list[int] = []
+        where: list[int] = []
+        finished = RequestStatus.FINISHED_STOPPED
+        for k, rid in enumerate(req_ids):
+            req = step_reqs[rid]
+            if req.grammar is not None and req.status < finished:
+                grammars.append(req.grammar)
+                toks.append(tokens[k])
+                where.append(k)
+        if not grammars:
+            return _NONE_REFUSED
+        return {k for k, ok in zip(where, self.accept_grammar_tokens(grammars, toks)) if not ok}
 
     def _add_prompt_logprobs(self, sched: SchedulerOutput, result: ModelRunnerOutput, step_reqs: dict[str, Request],
                              outs: list[EngineCoreOutput]) -> None:

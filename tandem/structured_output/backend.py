@@ -119,6 +119,11 @@ class GrammarBackend(abc.ABC):
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile ``spec``; raises ``GrammarCompileError`` with the compiler's message."""
 
+    def accept_tokens(self, matchers: list[Matcher], tokens: list[int]) -> list[bool]:
+        """``accept_token`` for each matcher (none of them terminated) and its token (a
+        step's worth; a backend may take the batch in one call)."""
+        return [m.accept_token(t) for m, t in zip(matchers, tokens)]
+
     def fill_bitmasks(self, matchers: list[Matcher], bitmask: Any, rows: list[int]) -> None:
         """Fill row ``rows[i]`` of ``bitmask`` for ``matchers[i]`` (a whole step's worth; a
         backend may spread the rows over threads)."""

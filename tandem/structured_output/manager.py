@@ -36,13 +36,17 @@ class RequestGrammarState:
     thread only (the compilation future is the one thing another thread touches).
     """
 
-    __slots__ = ("_future", "_bitmask_words", "_stop_token_ids", "matcher", "_error", "error_is_request_fault")
+    __slots__ = ("_future", "_bitmask_words", "_stop_token_ids", "matcher", "terminated", "_error",
+                 "error_is_request_fault")
 
-    def __init__(self, future: "Future[CompiledGrammar]", bitmask_words: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, future: "Future[CompiledGrammar]", bitmask_words: int, stop_token_ids: frozenset[int]) -> None:
         self._future = future
         self._bitmask_words = bitmask_words
         self._stop_token_ids = stop_token_ids
         self.matcher: Optional[Matcher] = None
+        # The matcher's is_terminated, kept here: it changes only when a stop token is
+        # accepted, and the step loop asks for every constrained request at every step.
+        self.terminated = False
         self._error: Optional[str] = None
         self.error_is_request_fault = True
 
@@ -74,7 +78,12 @@ class RequestGrammarState:
         """Advance by a received token. Once the grammar has ended (it accepted a stop token,
         and ``ignore_eos`` kept the request going) nothing constrains the output any more."""
         assert self.matcher is not None, "a token for a request whose grammar never compiled"
-        return self.matcher.is_terminated or self.matcher.accept_token(token)
+        if self.terminated:
+            return True
+        ok = self.matcher.accept_token(token)
+        if ok and token in self._stop_token_ids:
+            self.terminated = self.matcher.is_terminated
+        return ok
 
     def explain_refusal(self, token: int) -> tuple[str, bool]:
         """The masked sampler picks a refused token only when every token the mask allowed
@@ -103,7 +112,7 @@ class StructuredOutputManager:
         self.backend_name = backend
         self.tokenizer_path = tokenizer
         self.vocab_size = vocab_size
-        self.stop_token_ids = list(stop_token_ids)
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.bitmask_words = -(-vocab_size // 32)
         self.cache_size = cache_size
         workers = max_workers or max(1, min(4, (os.cpu_count() or 1) // 2))
@@ -138,7 +147,7 @@ class StructuredOutputManager:
 
                 try:
                     self._backend = create_backend(self.backend_name, load_tokenizer(self.tokenizer_path),
-                                                   self.vocab_size, self.stop_token_ids)
+                                                   self.vocab_size, sorted(self.stop_token_ids))
                 except Exception as e:
                     raise GrammarBackendError(f"the {self.backend_name} structured outputs backend could not start "
                                               f"for this model: {type(e).__name__}: {' '.join(str(e).split())}") \
@@ -154,32 +163,59 @@ class StructuredOutputManager:
         if futures:
             wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
+    # -- matching ----------------------------------------------------------------------------
+    def accept_tokens(self, grammars: list[RequestGrammarState], tokens: list[int]) -> list[bool]:
+        """Advance each request's grammar by its received token (``accept_token``, for a
+        step's batch at once: the backend may take it in one call); False where refused."""
+        ok = [True] * len(grammars)
+        matchers, toks, where = [], [], []
+        for i, g in enumerate(grammars):
+            assert g.matcher is not None, "a token for a request whose grammar never compiled"
+            if not g.terminated:
+                matchers.append(g.matcher)
+                toks.append(tokens[i])
+                where.append(i)
+        if not matchers:
+            return ok
+        assert self._backend is not None  # a matcher exists, so its backend does
+        stop = self.stop_token_ids
+        for i, accepted in zip(where, self._backend.accept_tokens(matchers, toks)):
+            if not accepted:
+                ok[i] = False
+            elif tokens[i] in stop:
+                g = grammars[i]
+                g.terminated = g.matcher.is_terminated  # type: ignore[union-attr]
+        return ok
+
     # -- bitmasks ----------------------------------------------------------------------------
     def grammar_output(self, step_id: int, req_ids: list[str], requests: list[Request],
                        num_drafts: Optional[list[int]] = None) -> GrammarOutput:
         """The bitmask of a step's constrained requests (``SchedulerOutput.grammar_req_ids``),
         each matcher having accepted every token its request received. A request that has
         finished meanwhile (its token in this step will be dropped) or whose grammar has
-        ended keeps an all-ones row. ``num_drafts``: requests verifying drafts (speculative
+        ended gets no row (unconstrained). ``num_drafts``: requests verifying drafts (speculative
         decoding) get a row per position, see ``_draft_output``."""
         import torch
 
         if num_drafts is not None and any(num_drafts):
             return self._draft_output(step_id, req_ids, requests, num_drafts)
 
-        bitmask = torch.full((len(requests), self.bitmask_words), -1, dtype=torch.int32)
-        matchers, rows = [], []
-        for i, req in enumerate(requests):
+        # Only the rows that constrain anything travel: a request that finished meanwhile or
+        # whose grammar has ended is left out, i.e. unconstrained (the worker masks listed
+        # rows only). Every listed row is filled whole, so the buffer needs no initial value.
+        live_ids, matchers = [], []
+        for rid, req in zip(req_ids, requests):
             g = req.grammar
             if req.is_finished or not isinstance(g, RequestGrammarState) or g.matcher is None:
                 continue
-            if not g.matcher.is_terminated:
+            if not g.terminated:
+                live_ids.append(rid)
                 matchers.append(g.matcher)
-                rows.append(i)
+        bitmask = torch.empty((len(matchers), self.bitmask_words), dtype=torch.int32)
         if matchers:
             assert self._backend is not None  # a matcher exists, so its backend does
-            self._backend.fill_bitmasks(matchers, bitmask, rows)
-        return GrammarOutput(step_id, req_ids, bitmask)
+            self._backend.fill_bitmasks(matchers, bitmask, list(range(len(matchers))))
+        return GrammarOutput(step_id, live_ids, bitmask)
 
     def _draft_output(self, step_id: int, req_ids: list[str], requests: list[Request],
                       num_drafts: list[int]) -> GrammarOutput:
@@ -195,7 +231,7 @@ class StructuredOutputManager:
         for i, req in enumerate(requests):
             g = req.grammar
             if (not req.is_finished and isinstance(g, RequestGrammarState) and g.matcher is not None
-                    and not g.matcher.is_terminated):
+                    and not g.terminated):
                 drafts = (req.spec_drafts or [])[:num_drafts[i]]
                 valid[i] = g.matcher.draft_masks(drafts, bitmask, first)
             first += rows[i]

@@ -80,6 +80,9 @@ class XGrammarBackend(GrammarBackend):
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
 
+    def accept_tokens(self, matchers: list[Matcher], tokens: list[int]) -> list[bool]:
+        return xgr.BatchGrammarMatcher.batch_accept_token([m._m for m in matchers], tokens)  # type: ignore[attr-defined]
+
     def fill_bitmasks(self, matchers: list[Matcher], bitmask: Any, rows: list[int]) -> None:
         if len(matchers) < _PARALLEL_FILL_ROWS:
             super().fill_bitmasks(matchers, bitmask, rows)

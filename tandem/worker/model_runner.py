@@ -606,8 +606,10 @@ class ModelRunner:
             if verify is not None:  # drafts the grammar refuses are never accepted
                 verify = dataclasses.replace(verify, is_draft_row=verify.is_draft_row & cut)
         if self.tp_rank == 0:
-            if grammar is not None:
-                apply_token_bitmask(fw.logits, mask if mask is not None else self._bitmask_rows(grammar, fw.req_ids))
+            if mask is not None:
+                apply_token_bitmask(fw.logits, mask)
+            elif grammar is not None and grammar.req_ids:
+                apply_token_bitmask(fw.logits, *self._bitmask_rows(grammar, fw.req_ids))
             result = self.sampler(fw.logits, fw.sampling())
             sampled, logprobs = result.sampled_token_ids, result.logprobs
         else:
@@ -660,16 +662,15 @@ class ModelRunner:
         dev = self.bitmasks.stage(ext, rows, int(counts.sum()))
         return dev[:, :words].contiguous(), dev[:, words] != 0
 
-    def _bitmask_rows(self, grammar: GrammarOutput, req_ids: list[str]) -> torch.Tensor:
-        """The bitmask laid out by sampled row (unconstrained rows all ones), on the device."""
-        rows = None
-        if grammar.req_ids != req_ids:
-            pos = {rid: k for k, rid in enumerate(req_ids)}
-            missing = [rid for rid in grammar.req_ids if rid not in pos]
-            if missing:
-                raise RuntimeError(f"step {grammar.step_id}: bitmask rows for requests that do not sample: {missing}")
-            rows = [pos[rid] for rid in grammar.req_ids]
-        return self.bitmasks.stage(grammar.bitmask, rows, len(req_ids))
+    def _bitmask_rows(self, grammar: GrammarOutput, req_ids: list[str]
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor | list[int]]]:
+        """The bitmask by sampled row on the device, and the rows it constrains (None: all);
+        only the constrained rows are copied."""
+        pos = {rid: k for k, rid in enumerate(req_ids)}
+        missing = [rid for rid in grammar.req_ids if rid not in pos]
+        if missing:
+            raise RuntimeError(f"step {grammar.step_id}: bitmask rows for requests that do not sample: {missing}")
+        return self.bitmasks.stage_rows(grammar.bitmask, [pos[rid] for rid in grammar.req_ids], len(req_ids))
 
     # -- 4. sampling inputs ----------------------------------------------------------------
     def _stage_sampling(self, plan: StepPlan, sample_idx: np.ndarray,

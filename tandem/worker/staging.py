@@ -111,6 +111,12 @@ class BitmaskStager:
     last read it has finished. (A copy from pageable memory may wait for the stream, i.e.
     for the forward pass the bitmask is meant to overlap.) On the CPU the host rows are used
     as they are.
+
+    ``stage_rows`` moves only the constrained rows (with a 152k vocabulary a row is 19 KB:
+    a batch of 256 where a fifth is constrained would otherwise copy 4.9 MB, mostly ones)
+    and scatters them on the device; the mask is then applied to those rows only.
+    ``stage`` lays out every row (speculative decoding's extra flag column needs ones in
+    unconstrained rows).
     """
 
     def __init__(self, max_rows: int, device: torch.device) -> None:
@@ -121,6 +127,59 @@ class BitmaskStager:
         self._events: list[Optional[torch.cuda.Event]] = [None, None]
         self._device_buf: Optional[torch.Tensor] = None
         self._cur = 0
+        # stage_rows: pinned row indices, and the device rows scattered by sampled row.
+        self._host_idx: list[torch.Tensor] = []
+        self._device_idx: Optional[torch.Tensor] = None
+        self._device_by_row: Optional[torch.Tensor] = None
+
+    def stage_rows(self, bitmask: torch.Tensor, rows: list[int], num_rows: int
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor | list[int]]]:
+        """The mask by sampled row on the device, and which rows to mask: row ``rows[i]``
+        is ``bitmask[i]``; other rows are left undefined and must not be masked. The
+        indices are None when every row is listed in order, a device tensor on CUDA, a list
+        on the CPU (what xgrammar's kernels take)."""
+        k, words = bitmask.shape
+        in_order = k == num_rows and rows == list(range(num_rows))
+        if not self.cuda:
+            if in_order:
+                return bitmask, None
+            by_row = torch.empty((num_rows, words), dtype=torch.int32)
+            by_row[rows] = bitmask
+            return by_row, rows
+        if in_order:
+            return self.stage(bitmask, None, num_rows), None
+        host = self._pinned(words)[:k]
+        host.copy_(bitmask)
+        idx = self._host_idx[self._cur][:k]
+        idx.copy_(torch.as_tensor(rows, dtype=torch.int64))
+        assert self._device_buf is not None and self._device_idx is not None and self._device_by_row is not None
+        dev, dev_idx = self._device_buf[:k], self._device_idx[:k]
+        dev.copy_(host, non_blocking=True)
+        dev_idx.copy_(idx, non_blocking=True)
+        self._record()
+        by_row = self._device_by_row[:num_rows]
+        by_row.index_copy_(0, dev_idx, dev)
+        return by_row, dev_idx
+
+    def _pinned(self, words: int) -> torch.Tensor:
+        """The next pinned buffer, once the copy that last read it is done (buffers are
+        (re)allocated for a new row width)."""
+        if not self._hosts or self._hosts[0].shape[1] != words:
+            self._hosts = [torch.empty((self.max_rows, words), dtype=torch.int32, pin_memory=True) for _ in range(2)]
+            self._host_idx = [torch.empty(self.max_rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._device_buf = torch.empty((self.max_rows, words), dtype=torch.int32, device=self.device)
+            self._device_idx = torch.empty(self.max_rows, dtype=torch.int64, device=self.device)
+            self._device_by_row = torch.empty((self.max_rows, words), dtype=torch.int32, device=self.device)
+        self._cur ^= 1
+        ev = self._events[self._cur]
+        if ev is not None and not ev.query():
+            ev.synchronize()  # the copy that last read this pinned buffer is not done yet
+        return self._hosts[self._cur]
+
+    def _record(self) -> None:
+        ev = self._events[self._cur] or torch.cuda.Event()
+        ev.record()
+        self._events[self._cur] = ev
 
     def stage(self, bitmask: torch.Tensor, rows: Optional[list[int]], num_rows: int) -> torch.Tensor:
         """``[num_rows, words]`` on the device: row ``rows[i]`` is ``bitmask[i]`` (``rows`` None:
@@ -132,14 +191,7 @@ class BitmaskStager:
             full = torch.full((num_rows, words), -1, dtype=torch.int32)
             full[rows] = bitmask
             return full
-        if not self._hosts or self._hosts[0].shape[1] != words:
-            self._hosts = [torch.empty((self.max_rows, words), dtype=torch.int32, pin_memory=True) for _ in range(2)]
-            self._device_buf = torch.empty((self.max_rows, words), dtype=torch.int32, device=self.device)
-        self._cur ^= 1
-        ev = self._events[self._cur]
-        if ev is not None and not ev.query():
-            ev.synchronize()  # the copy that last read this pinned buffer is not done yet
-        host = self._hosts[self._cur][:num_rows]
+        host = self._pinned(words)[:num_rows]
         if rows is None:
             host.copy_(bitmask)
         else:
@@ -148,7 +200,5 @@ class BitmaskStager:
         assert self._device_buf is not None
         dev = self._device_buf[:num_rows]
         dev.copy_(host, non_blocking=True)
-        ev = ev or torch.cuda.Event()
-        ev.record()
-        self._events[self._cur] = ev
+        self._record()
         return dev

@@ -115,7 +115,9 @@ def serve_main(args: argparse.Namespace) -> int:
     1 when the engine core or a server process cannot start or dies, 130 on Ctrl-C during the start."""
     from tandem.engine.core_client import CoreProcess
     from tandem.engine.messages import EngineStartError
+    from tandem.entrypoints.openai.torch_free import hide_torch
 
+    hide_torch()  # this process serves (with one API server) or supervises: never torch
     try:
         config, settings, count = _settings_from_args(args)
     except (ValueError, OSError) as e:

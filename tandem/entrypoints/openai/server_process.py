@@ -11,7 +11,8 @@ until SIGTERM (a graceful stop, as ``tandem serve`` does) or until the engine co
 its stdout once it serves (and ``torch=1`` if torch was imported after all).
 
 It imports neither torch nor the model code (import-linter's contract in pyproject.toml
-keeps it so): tokenizer, chat template, HTTP and the engine client are all it needs.
+keeps it so, and ``torch_free.hide_torch`` keeps a transformers release that would import
+torch from doing so): tokenizer, chat template, HTTP and the engine client are all it needs.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from tandem import ipc
 from tandem.config import EngineConfig, ModelInfo
 from tandem.engine.core_client import CoreAddress
 from tandem.entrypoints.openai.serving import ServerSettings
+from tandem.entrypoints.openai.torch_free import hide_torch
 
 MODULE = "tandem.entrypoints.openai.server_process"
 STARTUP_FILE = "api-server-startup"
@@ -53,6 +55,7 @@ def _rss_bytes() -> int:
 
 
 def main(argv: list[str]) -> int:
+    hide_torch()
     ipc.read_secret()  # the core's secret, also in the startup file; read it so stdin is the parent-death pipe
     where = ipc.PrivateDir(argv[0])
     index = int(argv[1])

@@ -1,0 +1,95 @@
+"""Constrained decoding offline, on the GPU (issue 18): the engine alone, no server.
+
+``LLM.generate``-style runs (``gpu_bench.run_engine``: the engine stepped directly) of 256
+requests, 128 random prompt tokens and 128 greedy output tokens with ``ignore_eos``,
+where a share (``--ratios``) is under ``tandem bench serve``'s JSON schema (which no
+request can close within 128 tokens, so every output token is generated under the
+grammar). The model is random bf16 weights of ``--shape`` with a real byte-level tokenizer
+(``--tokenizer-from``; the vocabulary becomes the tokenizer's), fresh prompts each round,
+prefix caching off. Reported per share: output tok/s (best of ``--rounds``), the ratio to
+the unconstrained run of the same process, the GPU idle share of ~60 steady steps (a
+``torch.profiler`` trace of round 0), and with ``--cprofile`` where the host time of those
+steps goes.
+
+    python benchmarks/structured_offline.py --tokenizer-from TOKENIZER_DIR --ratios 0,0.2,0.8,1 --out so.json
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bench import SHAPES, build_model, log, prompts_of, run_engine, tandem_llm  # noqa: E402
+from gpu_serve import tokenizer_vocab, use_tokenizer  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--tokenizer-from", required=True, metavar="DIR")
+    ap.add_argument("--ratios", default="0,0.2,0.8,1")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--backend", default="xgrammar")
+    ap.add_argument("--cprofile", action="store_true", help="cProfile steady steps of the constrained runs")
+    ap.add_argument("--trace-dir", default=None, help="write each share's torch.profiler trace (Chrome JSON) here")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from tandem import SamplingParams
+    from tandem.bench.structured import DEFAULT_SCHEMA
+    from tandem.sampling_params import StructuredOutputsParams
+
+    shape = dict(SHAPES[args.shape], vocab_size=tokenizer_vocab(args.tokenizer_from))
+    result: dict[str, Any] = {"shape": args.shape, "vocab_size": shape["vocab_size"], "backend": args.backend,
+                              "runs": []}
+    plain = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    constrained = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True,
+                                 structured_outputs=StructuredOutputsParams(json=DEFAULT_SCHEMA))
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_model(os.path.join(tmp, "model"), shape)
+        use_tokenizer(folder, args.tokenizer_from)
+        llm = tandem_llm(folder, structured_outputs_backend=args.backend)
+        vocab = shape["vocab_size"]
+        run_engine(llm, prompts_of(16, 128, vocab, seed=7), [constrained] * 8 + [plain] * 8)  # compile, warm
+        base = None
+        for k, ratio in enumerate(float(r) for r in args.ratios.split(",")):
+            n = round(ratio * 256)
+            sps = [constrained] * n + [plain] * (256 - n)
+            runs = []
+            for r in range(args.rounds):
+                prompts = prompts_of(256, 128, vocab, seed=100 * k + r)
+                prof = cProfile.Profile() if args.cprofile and n and r == 0 else None
+                trace = os.path.join(args.trace_dir, f"trace_{ratio}.json") if args.trace_dir and r == 0 else None
+                runs.append(run_engine(llm, prompts, sps, profile_steps=(40, 100) if r == 0 else None,
+                                       cprofile=prof, trace_path=trace))
+                if prof is not None:
+                    s = io.StringIO()
+                    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+                    print(f"--- cProfile, ratio {ratio}, steps 40..100 ---\n{s.getvalue()}", flush=True)
+            best = max(runs, key=lambda x: x["tok_per_s"])
+            row = {"ratio": ratio, "tok_per_s": best["tok_per_s"], "all_tok_per_s": [x["tok_per_s"] for x in runs],
+                   "ms_per_step": best["ms_per_step"], "profile": runs[0].get("profile"),
+                   "steady_wall_ms_per_loop": runs[0].get("steady_wall_ms_per_loop")}
+            if base is None and n == 0:
+                base = row["tok_per_s"]
+            row["vs_unconstrained"] = row["tok_per_s"] / base if base else None
+            result["runs"].append(row)
+            log(f"ratio {ratio}: {row['tok_per_s']:.0f} tok/s ({row['vs_unconstrained']}), idle "
+                f"{row['profile'] and row['profile']['gpu_idle_share']}, loop {row['steady_wall_ms_per_loop']} ms")
+        llm.shutdown()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
