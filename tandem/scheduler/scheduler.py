@@ -421,7 +421,11 @@ class Scheduler:
         return out
 
     # -- results -----------------------------------------------------------------------
-    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput,
+                           after_grammars: Optional[Callable[[], None]] = None) -> list[EngineCoreOutput]:
+        """Apply a step's sampled tokens. ``after_grammars`` is called once the step's tokens
+        have advanced the grammars of its constrained requests, before the rest of the
+        bookkeeping (the engine core sends the next step's bitmask from there)."""
         assert result.step_id == sched.step_id, "outputs must be applied in the order steps were scheduled"
         step_reqs = self._step_reqs.pop(sched.step_id)
         for req in step_reqs.values():
@@ -443,6 +447,8 @@ class Scheduler:
             req_ids = []
         refused = self._advance_grammars(req_ids, result.sampled_token_ids, step_reqs) \
             if self.num_grammar_requests else _NONE_REFUSED
+        if after_grammars is not None:
+            after_grammars()
         for k, (rid, token) in enumerate(zip(req_ids, result.sampled_token_ids)):
             req = step_reqs[rid]
             if req.status >= finished:  # req.is_finished, inlined (hot)
