@@ -191,7 +191,9 @@ def served(folder: str, count: str, args: argparse.Namespace, tmp: str) -> dict[
         res["cpu_percent"] = sampler.stop()
     finally:
         res["exit_code"] = stop_server(proc)
-        res["log_tail"] = Path(log_path).read_text()[-1500:]
+        text = Path(log_path).read_text()
+        res["log_tail"] = text[-1500:]
+        res["ready_lines"] = [line for line in text.splitlines() if " ready in " in line]
     log(f"serve --api-server-count {count}: {res['output_tok_per_s']:.0f} tok/s, TTFT {res['mean_ttft_ms']:.0f} ms, "
         f"TPOT {res['mean_tpot_ms']:.2f} ms, failed {res['failed']}, cpu {json.dumps(res['cpu_percent'])}")
     return res
@@ -215,7 +217,9 @@ def structured_runs(folder: str, count: str, args: argparse.Namespace, tmp: str)
                 f"failed {res['failed']}")
     finally:
         out["exit_code"] = stop_server(proc)
-        out["log_tail"] = Path(log_path).read_text()[-3000:]
+        text = Path(log_path).read_text()
+        out["log_tail"] = text[-3000:]
+        out["ready_lines"] = [line for line in text.splitlines() if " ready in " in line]  # RSS, torch imported?
     base = out["runs"].get("0", {}).get("output_tok_per_s")
     if base:
         out["relative_to_unconstrained"] = {k: v["output_tok_per_s"] / base for k, v in out["runs"].items()}

@@ -81,7 +81,10 @@ class XGrammarBackend(GrammarBackend):
         self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
 
     def accept_tokens(self, matchers: list[Matcher], tokens: list[int]) -> list[bool]:
-        return xgr.BatchGrammarMatcher.batch_accept_token([m._m for m in matchers], tokens)  # type: ignore[attr-defined]
+        # One call per matcher: xgrammar's batch_accept_token returns an FFI array whose
+        # conversion to Python bools costs more than the calls it saves (0.45 vs 0.28 ms
+        # for 256 matchers on the CPU machine).
+        return [m._m.accept_token(t) for m, t in zip(matchers, tokens)]  # type: ignore[attr-defined]
 
     def fill_bitmasks(self, matchers: list[Matcher], bitmask: Any, rows: list[int]) -> None:
         if len(matchers) < _PARALLEL_FILL_ROWS:

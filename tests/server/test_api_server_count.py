@@ -57,7 +57,9 @@ def test_two_processes_no_torch_in_them(server2):
     for pid in [server2.proc.pid, *pids]:  # the launcher and the API servers
         with open(f"/proc/{pid}/maps") as f:
             assert "libtorch" not in f.read(), cmdline(pid)
-    assert "2 API-server processes" in server2.log.read_text()
+    log = server2.log.read_text()
+    assert "2 API-server processes" in log
+    assert log.count(" ready in ") == 2 and "torch imported" not in log, log  # each process's own report
 
 
 def test_both_serve_and_answer_alike(server2):

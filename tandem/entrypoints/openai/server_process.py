@@ -80,9 +80,10 @@ def main(argv: list[str]) -> int:
     sock.listen(2048)
 
     def ready() -> None:
-        if "torch" in sys.modules:  # something imported it: a slower start and ~0.5 GB more per process
+        imported = sys.modules.get("torch") is not None  # (hide_torch leaves None there)
+        if imported:  # something imported it: a slower start and ~0.5 GB more per process
             logging.getLogger(__name__).warning("torch was imported in this API-server process")
-        print(f"ready {_rss_bytes()} torch={int('torch' in sys.modules)}", flush=True)
+        print(f"ready {_rss_bytes()} torch={int(imported)}", flush=True)
 
     try:
         return serve_app(engine, startup.settings, stat_logger, sock, host=startup.host, port=startup.port,
