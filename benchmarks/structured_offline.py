@@ -31,6 +31,48 @@ from gpu_bench import SHAPES, build_model, log, prompts_of, run_engine, tandem_l
 from gpu_serve import tokenizer_vocab, use_tokenizer  # noqa: E402
 
 
+class SectionTimers:
+    """Wall time of the engine's step sections (wrapped methods of the live objects), per
+    constrained share: where a step's host time goes, at perf_counter cost, no profiler."""
+
+    def __init__(self, llm: Any) -> None:
+        engine = llm.engine
+        core = engine.core
+        self.totals: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.wrap(engine, "step", "engine.step (all)")
+        self.wrap(engine.output_processor, "process_outputs", "output_processor.process_outputs")
+        self.wrap(core.scheduler, "schedule", "scheduler.schedule")
+        self.wrap(core.scheduler, "update_from_output", "scheduler.update_from_output (incl. accept)")
+        self.wrap(core.scheduler, "accept_grammar_tokens", "grammar accept_tokens")
+        self.wrap(core.structured, "grammar_output", "structured.grammar_output (incl. fill)")
+        self.wrap(core.executor, "execute_model", "executor.execute_model")
+        self.wrap(core.executor, "sample_tokens", "executor.sample_tokens")
+        if core.structured._backend is not None:
+            self.wrap(core.structured._backend, "fill_bitmasks", "backend.fill_bitmasks")
+
+    def wrap(self, obj: Any, name: str, label: str) -> None:
+        import time
+
+        inner = getattr(obj, name)
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - t
+                self.calls[label] = self.calls.get(label, 0) + 1
+
+        setattr(obj, name, timed)
+
+    def report(self, steps: int) -> dict[str, float]:
+        out = {k: 1e3 * v / max(steps, 1) for k, v in self.totals.items()}
+        self.totals.clear()
+        self.calls.clear()
+        return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
@@ -39,6 +81,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--backend", default="xgrammar")
     ap.add_argument("--cprofile", action="store_true", help="cProfile steady steps of the constrained runs")
+    ap.add_argument("--timers", action="store_true", help="time the step's sections (wrapped methods)")
     ap.add_argument("--trace-dir", default=None, help="write each share's torch.profiler trace (Chrome JSON) here")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -59,6 +102,7 @@ def main() -> int:
         llm = tandem_llm(folder, structured_outputs_backend=args.backend)
         vocab = shape["vocab_size"]
         run_engine(llm, prompts_of(16, 128, vocab, seed=7), [constrained] * 8 + [plain] * 8)  # compile, warm
+        timers = SectionTimers(llm) if args.timers else None
         base = None
         for k, ratio in enumerate(float(r) for r in args.ratios.split(",")):
             n = round(ratio * 256)
@@ -68,13 +112,17 @@ def main() -> int:
                 prompts = prompts_of(256, 128, vocab, seed=100 * k + r)
                 prof = cProfile.Profile() if args.cprofile and n and r == 0 else None
                 trace = os.path.join(args.trace_dir, f"trace_{ratio}.json") if args.trace_dir and r == 0 else None
-                runs.append(run_engine(llm, prompts, sps, profile_steps=(40, 100) if r == 0 else None,
-                                       cprofile=prof, trace_path=trace))
+                window = (40, 100) if r == 0 and not args.timers else None
+                runs.append(run_engine(llm, prompts, sps, profile_steps=window, cprofile=prof, trace_path=trace))
                 if prof is not None:
                     s = io.StringIO()
                     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
                     print(f"--- cProfile, ratio {ratio}, steps 40..100 ---\n{s.getvalue()}", flush=True)
             best = max(runs, key=lambda x: x["tok_per_s"])
+            if timers is not None:  # ms per launched step, over all rounds of this share
+                sections = timers.report(sum(x["steps"] for x in runs))
+                print(f"ratio {ratio} sections, ms per step: " + ", ".join(f"{k} {v:.3f}" for k, v in sections.items()),
+                      flush=True)
             row = {"ratio": ratio, "tok_per_s": best["tok_per_s"], "all_tok_per_s": [x["tok_per_s"] for x in runs],
                    "ms_per_step": best["ms_per_step"], "profile": runs[0].get("profile"),
                    "steady_wall_ms_per_loop": runs[0].get("steady_wall_ms_per_loop")}

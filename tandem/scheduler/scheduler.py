@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import AbstractSet, Callable, Iterable, Optional
 
 from tandem.scheduler.kv_cache import KVCacheManager
 from tandem.scheduler.spec import WAIT, SpecScheduling
@@ -483,7 +483,8 @@ class Scheduler:
         self._release_pending()
         return outputs
 
-    def _advance_grammars(self, req_ids: list[str], tokens: list[int], step_reqs: dict[str, Request]) -> set[int]:
+    def _advance_grammars(self, req_ids: list[str], tokens: list[int],
+                          step_reqs: dict[str, Request]) -> AbstractSet[int]:
         """Advance the grammars of the step's live constrained requests by their tokens, in
         one batch; the positions (in ``req_ids``) whose token a grammar refused."""
         grammars: list[RequestGrammar] = []
