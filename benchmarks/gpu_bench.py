@@ -254,9 +254,15 @@ def _bench_tandem_mode(folder: str, name: str, kw: dict[str, Any], workloads: li
             f"{best['host_ms_per_step']:.2f} ms/step, idle {best['profile'] and best['profile']['gpu_idle_share']}")
     if "batch1" in workloads and name != "tandem_sync":
         one = prompts_of(1, 128, vocab, seed=2)
-        r = run_engine(llm, one, SamplingParams(temperature=0, max_tokens=512, ignore_eos=True))
+        sp1 = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
+        r = run_engine(llm, one, sp1)
+        # Again, profiled: the device's busy share of 100 steady steps (the timed run is not traced).
+        traced = run_engine(llm, prompts_of(1, 128, vocab, seed=5), sp1, profile_steps=(200, 300))
+        for key in ("profile", "profile_window", "steady_wall_ms_per_loop"):
+            r[key] = traced.get(key)
         res["batch1"] = r
-        log(f"{name}: batch-1 {r['tok_per_s']:.0f} tok/s")
+        log(f"{name}: batch-1 {r['tok_per_s']:.0f} tok/s, {r['ms_per_step']:.3f} ms/step, host "
+            f"{r['host_ms_per_step']:.3f} ms/step, profile {r.get('profile')}")
     if "prefill" in workloads and name == "tandem_async":
         long = prompts_of(8, 8192, vocab, seed=3)
         run_engine(llm, long[:1], SamplingParams(temperature=0, max_tokens=1))  # warm the long shapes
