@@ -31,6 +31,20 @@ from gpu_bench import SHAPES, build_model, log, prompts_of, run_engine, tandem_l
 from gpu_serve import tokenizer_vocab, use_tokenizer  # noqa: E402
 
 
+def set_fill_threads(llm: Any, threads: str) -> None:
+    """xgrammar's bitmask fill on ``threads`` threads (1: one row after another)."""
+    import xgrammar as xgr
+
+    from tandem.structured_output import xgrammar_backend
+
+    backend = llm.engine.core.structured._backend
+    if threads == "1":
+        xgrammar_backend._PARALLEL_FILL_ROWS = 1 << 30
+    else:
+        xgrammar_backend._PARALLEL_FILL_ROWS = 16
+        backend._batch = xgr.BatchGrammarMatcher(max_threads=int(threads))
+
+
 class SectionTimers:
     """Wall time of the engine's step sections (wrapped methods of the live objects), per
     constrained share: where a step's host time goes, at perf_counter cost, no profiler."""
@@ -81,6 +95,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--backend", default="xgrammar")
     ap.add_argument("--cprofile", action="store_true", help="cProfile steady steps of the constrained runs")
+    ap.add_argument("--fill-threads", default="", help="comma list of xgrammar fill thread counts to compare")
     ap.add_argument("--timers", action="store_true", help="time the step's sections (wrapped methods)")
     ap.add_argument("--trace-dir", default=None, help="write each share's torch.profiler trace (Chrome JSON) here")
     ap.add_argument("--out", default=None)
@@ -104,7 +119,11 @@ def main() -> int:
         run_engine(llm, prompts_of(16, 128, vocab, seed=7), [constrained] * 8 + [plain] * 8)  # compile, warm
         timers = SectionTimers(llm) if args.timers else None
         base = None
-        for k, ratio in enumerate(float(r) for r in args.ratios.split(",")):
+        configs = [(t, float(r)) for t in (args.fill_threads.split(",") if args.fill_threads else [""])
+                   for r in args.ratios.split(",")]
+        for k, (threads, ratio) in enumerate(configs):
+            if threads:  # xgrammar's fill threads (the backend's default: "auto", from 16 rows)
+                set_fill_threads(llm, threads)
             n = round(ratio * 256)
             sps = [constrained] * n + [plain] * (256 - n)
             runs = []
@@ -119,18 +138,19 @@ def main() -> int:
                     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
                     print(f"--- cProfile, ratio {ratio}, steps 40..100 ---\n{s.getvalue()}", flush=True)
             best = max(runs, key=lambda x: x["tok_per_s"])
+            label = f"fill threads {threads or 'default'}, ratio {ratio}"
+            row = {"ratio": ratio, "fill_threads": threads or "default", "tok_per_s": best["tok_per_s"],
+                   "all_tok_per_s": [x["tok_per_s"] for x in runs], "ms_per_step": best["ms_per_step"],
+                   "profile": runs[0].get("profile"), "steady_wall_ms_per_loop": runs[0].get("steady_wall_ms_per_loop")}
             if timers is not None:  # ms per launched step, over all rounds of this share
-                sections = timers.report(sum(x["steps"] for x in runs))
-                print(f"ratio {ratio} sections, ms per step: " + ", ".join(f"{k} {v:.3f}" for k, v in sections.items()),
-                      flush=True)
-            row = {"ratio": ratio, "tok_per_s": best["tok_per_s"], "all_tok_per_s": [x["tok_per_s"] for x in runs],
-                   "ms_per_step": best["ms_per_step"], "profile": runs[0].get("profile"),
-                   "steady_wall_ms_per_loop": runs[0].get("steady_wall_ms_per_loop")}
+                row["sections_ms_per_step"] = sections = timers.report(sum(x["steps"] for x in runs))
+                parts = ", ".join(f"{name} {ms:.3f}" for name, ms in sections.items())
+                print(f"{label} sections, ms per step: {parts}", flush=True)
             if base is None and n == 0:
                 base = row["tok_per_s"]
             row["vs_unconstrained"] = row["tok_per_s"] / base if base else None
             result["runs"].append(row)
-            log(f"ratio {ratio}: {row['tok_per_s']:.0f} tok/s ({row['vs_unconstrained']}), idle "
+            log(f"{label}: {row['tok_per_s']:.0f} tok/s ({row['vs_unconstrained']}), idle "
                 f"{row['profile'] and row['profile']['gpu_idle_share']}, loop {row['steady_wall_ms_per_loop']} ms")
         llm.shutdown()
     if args.out:
