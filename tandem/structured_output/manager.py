@@ -18,13 +18,16 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from tandem.sampling_params import StructuredOutputsParams
 from tandem.structured_output.backend import (CompiledGrammar, GrammarBackend, GrammarBackendError,
                                               GrammarCompileError, GrammarSpec, Matcher, create_backend)
 from tandem.types.grammar import GrammarOutput
 from tandem.types.request import Request
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +124,8 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         self._cache: "OrderedDict[GrammarSpec, Future[CompiledGrammar]]" = OrderedDict()
         self.num_compiles = 0  # compilations started (cache misses)
+        self._bitmask_bufs: list[Optional["torch.Tensor"]] = [None, None]
+        self._buf_turn = 0
 
     # -- compilation -------------------------------------------------------------------------
     def grammar_for(self, params: StructuredOutputsParams) -> RequestGrammarState:
@@ -195,8 +200,6 @@ class StructuredOutputManager:
         finished meanwhile (its token in this step will be dropped) or whose grammar has
         ended gets no row (unconstrained). ``num_drafts``: requests verifying drafts (speculative
         decoding) get a row per position, see ``_draft_output``."""
-        import torch
-
         if num_drafts is not None and any(num_drafts):
             return self._draft_output(step_id, req_ids, requests, num_drafts)
 
@@ -211,11 +214,25 @@ class StructuredOutputManager:
             if not g.terminated:
                 live_ids.append(rid)
                 matchers.append(g.matcher)
-        bitmask = torch.empty((len(matchers), self.bitmask_words), dtype=torch.int32)
+        bitmask = self._bitmask_buffer(len(matchers))
         if matchers:
             assert self._backend is not None  # a matcher exists, so its backend does
             self._backend.fill_bitmasks(matchers, bitmask, list(range(len(matchers))))
         return GrammarOutput(step_id, live_ids, bitmask)
+
+    def _bitmask_buffer(self, rows: int) -> "torch.Tensor":
+        """``[rows, words]`` int32, from one of two buffers used in turn and kept (a fresh
+        tensor a step would be fresh pages for the fill's threads to fault in). A step's
+        bitmask is read (copied, or serialized to the workers) by its ``sample_tokens``
+        call, which precedes the next step's fill; two buffers leave a step more."""
+        import torch
+
+        self._buf_turn ^= 1
+        buf = self._bitmask_bufs[self._buf_turn]
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.empty((max(rows, 64), self.bitmask_words), dtype=torch.int32)
+            self._bitmask_bufs[self._buf_turn] = buf
+        return buf[:rows]
 
     def _draft_output(self, step_id: int, req_ids: list[str], requests: list[Request],
                       num_drafts: list[int]) -> GrammarOutput:
