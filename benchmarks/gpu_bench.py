@@ -201,7 +201,21 @@ def summarize_profile(prof: Any) -> dict[str, float]:
     busy += cur_e - cur_s
     window = spans[-1][1] - spans[0][0]
     return {"gpu_idle_share": 1 - busy / window, "gpu_busy_ms": busy / 1e3, "window_ms": window / 1e3,
-            "kernels": len(spans)}
+            "kernels": len(spans), "top_kernels": top_kernels(prof)}
+
+
+def top_kernels(prof: Any, n: int = 20) -> list[dict[str, Any]]:
+    """The device kernels and copies that took the most time in the traced window: name
+    (cut to 90 characters), count and total ms, most first (what a step's device time is
+    made of, to choose what to fuse or replace)."""
+    totals: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.end > ev.time_range.start:
+            t = totals.setdefault(ev.name[:90], [0, 0.0])
+            t[0] += 1
+            t[1] += (ev.time_range.end - ev.time_range.start) / 1e3
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:n]
+    return [{"name": name, "count": int(c), "total_ms": round(ms, 3)} for name, (c, ms) in rows]
 
 
 def tandem_llm(folder: str, **kw: Any) -> Any:
@@ -373,16 +387,23 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tandem-modes", default="", help="comma list of tandem_sync, tandem_async, tandem_async_eager "
                     "(default: all three)")
+    ap.add_argument("--min-split-tokens", type=int, default=None,
+                    help="shortest split-KV key chunk of a decode step (tandem's default: "
+                         "tandem.kernels.splits.MIN_SPLIT_TOKENS)")
     ap.add_argument("--out", default="gpu_bench.json")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_bench.py needs a CUDA device", file=sys.stderr)
         return 2
+    if a.min_split_tokens is not None:  # read by each model runner as it is built
+        import tandem.worker.model_runner as model_runner
+
+        model_runner.MIN_SPLIT_TOKENS = a.min_split_tokens
     logging.basicConfig(level=logging.WARNING)
     workloads = a.workloads.split(",")
     systems = a.systems.split(",")
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "ceilings": measure_ceilings(), "shapes": {}}
+                              "min_split_tokens": a.min_split_tokens, "ceilings": measure_ceilings(), "shapes": {}}
     log(f"ceilings: {result['ceilings']}")
     for name in a.shapes.split(","):
         shape = SHAPES[name]
@@ -461,6 +482,11 @@ def print_table(result: dict[str, Any]) -> None:
                         extra += f" mfu={v['mfu']:.3f}"
                     host = f" host={v['host_ms_per_step']:.2f}ms/step" if "host_ms_per_step" in v else ""
                     print(f"{sys_name:22s} {wl:10s} {v['tok_per_s']:10.0f} tok/s{host}{extra}")
+                    if v.get("profile") and v.get("profile_window"):
+                        steps = v["profile_window"][1] - v["profile_window"][0]
+                        for k in v["profile"].get("top_kernels", [])[:12]:
+                            print(f"    {k['total_ms'] / steps * 1e3:8.1f} us/step {k['count'] / steps:5.1f}/step  "
+                                  f"{k['name'][:80]}")
         print("ratios:", row.get("ratios"))
 
 

@@ -32,17 +32,10 @@ from gpu_serve import tokenizer_vocab, use_tokenizer  # noqa: E402
 
 
 def set_fill_threads(llm: Any, threads: str) -> None:
-    """xgrammar's bitmask fill on ``threads`` threads (1: one row after another)."""
+    """xgrammar's bitmask fill on ``threads`` threads of its own pool (tandem's default: 1)."""
     import xgrammar as xgr
 
-    from tandem.structured_output import xgrammar_backend
-
-    backend = llm.engine.core.structured._backend
-    if threads == "1":
-        xgrammar_backend._PARALLEL_FILL_ROWS = 1 << 30
-    else:
-        xgrammar_backend._PARALLEL_FILL_ROWS = 16
-        backend._batch = xgr.BatchGrammarMatcher(max_threads=int(threads))
+    llm.engine.core.structured._backend._batch = xgr.BatchGrammarMatcher(max_threads=int(threads))
 
 
 class SectionTimers:
@@ -60,10 +53,20 @@ class SectionTimers:
         self.wrap(core.scheduler, "update_from_output", "scheduler.update_from_output (incl. accept)")
         self.wrap(core.scheduler, "accept_grammar_tokens", "grammar accept_tokens")
         self.wrap(core.structured, "grammar_output", "structured.grammar_output (incl. fill)")
+        self.wrap(core.structured, "start_grammar_output", "structured.start_grammar_output (rows, hand-over)")
+        self.wrap(core, "_send_sampling", "core._send_sampling (wait for the fill, sample_tokens)")
         self.wrap(core.executor, "execute_model", "executor.execute_model")
         self.wrap(core.executor, "sample_tokens", "executor.sample_tokens")
         if core.structured._backend is not None:
-            self.wrap(core.structured._backend, "fill_bitmasks", "backend.fill_bitmasks")
+            self.wrap(core.structured._backend, "fill_bitmasks", "backend.fill_bitmasks (on the fill thread)")
+        # Inside sample_tokens (the uniproc executor's runner, in this process).
+        import tandem.worker.model_runner as mr
+
+        runner = core.executor.worker.runner
+        self.wrap(runner.bitmasks, "stage_rows", "runner: bitmask stage_rows (copy, upload, scatter)")
+        self.wrap(runner.bitmasks, "stage", "runner: bitmask stage")
+        self.wrap(mr, "apply_token_bitmask", "runner: apply_token_bitmask (launch)")
+        self.wrap(runner, "sampler", "runner: sampler (launch)")
 
     def wrap(self, obj: Any, name: str, label: str) -> None:
         import time
@@ -122,7 +125,7 @@ def main() -> int:
         configs = [(t, float(r)) for t in (args.fill_threads.split(",") if args.fill_threads else [""])
                    for r in args.ratios.split(",")]
         for k, (threads, ratio) in enumerate(configs):
-            if threads:  # xgrammar's fill threads (the backend's default: "auto", from 16 rows)
+            if threads:  # xgrammar's fill threads (the backend's default: 1)
                 set_fill_threads(llm, threads)
             n = round(ratio * 256)
             sps = [constrained] * n + [plain] * (256 - n)

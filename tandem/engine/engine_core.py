@@ -50,7 +50,7 @@ from tandem.interrupts import deferred_interrupts
 from tandem.scheduler.kv_cache import KVCacheManager
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.spec import SpecScheduling
-from tandem.structured_output import StructuredOutputManager
+from tandem.structured_output import PendingGrammarOutput, StructuredOutputManager
 from tandem.types.engine_output import EngineCoreOutput
 from tandem.types.request import Request
 from tandem.types.runner_output import ModelRunnerOutput
@@ -84,11 +84,13 @@ GRAMMAR_WAIT_S = 0.05
 @dataclass
 class InFlightStep:
     """A launched step. ``output`` resolves to its tokens; for a constrained step it is None
-    until ``sample_tokens`` is sent, and ``forward`` is the future of the forward-only call."""
+    until ``sample_tokens`` is sent, and ``forward`` is the future of the forward-only call.
+    ``grammar``: the step's bitmask, filling (``_start_sampling``), until it is sent."""
 
     so: SchedulerOutput
     output: Optional[Future[ModelRunnerOutput]]
     forward: Optional[Future[Any]] = None
+    grammar: Optional[PendingGrammarOutput] = None
 
 
 @dataclass
@@ -114,8 +116,11 @@ class EngineCore:
         num_blocks = min(self.executor.collective_rpc("determine_num_kv_blocks"))
         self.executor.collective_rpc("init_kv_cache", num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # A CUDA worker in this process copies bitmasks to the device straight from pinned buffers.
+        pin = model_config.device == "cuda" and config.resolved_executor == "uniproc"
         self.structured = StructuredOutputManager(config.structured_outputs_backend, model_config.tokenizer,
-                                                  model_config.vocab_size, list(model_config.eos_token_ids))
+                                                  model_config.vocab_size, list(model_config.eos_token_ids),
+                                                  pin_bitmasks=pin)
         self.scheduler = Scheduler(
             self.kv_cache,
             max_num_seqs=model_config.max_num_seqs,
@@ -186,7 +191,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         launched = False
         if (len(self.batch_queue) < self.depth and self.scheduler.has_unfinished_requests()
-                and not self._awaiting_sampling()):
+                and self._bitmasks_started()):
             launched = self._launch_next()
         with deferred_interrupts():
             self._undelivered += self.scheduler.take_outputs()  # requests ended outside a step (bad grammars)
@@ -225,6 +230,10 @@ class EngineCore:
                     return False
                 if self._arrivals:
                     self._note_first_scheduled(so)
+                # A step whose bitmask was filling meanwhile is sampled first: its sampling
+                # must precede the next forward on the device (which reads its tokens).
+                for waiting in self.batch_queue:
+                    self._send_sampling(waiting)
             step = self._launch(so)
             with deferred_interrupts():
                 if self.batch_queue:
@@ -265,40 +274,77 @@ class EngineCore:
         return all(r.is_finished or r.num_output_placeholders <= 1 + drafts.get(r.request_id, 0)
                    for r in self.scheduler.step_requests(so.step_id, so.grammar_req_ids))
 
-    def _awaiting_sampling(self) -> bool:
-        return any(step.output is None for step in self.batch_queue)
+    def _bitmasks_started(self) -> bool:
+        """No in-flight step awaits sampling with a bitmask not even started (its grammars
+        wait for an earlier step's tokens): a step launched now would run its forward
+        before that step's sampling. One whose bitmask is filling is sampled at launch."""
+        return all(step.output is not None or step.grammar is not None for step in self.batch_queue)
 
     def _sample(self, step: InFlightStep) -> None:
-        """Fill the step's bitmask and send ``sample_tokens``; a failure fails the step."""
+        """Fill the step's bitmask and send ``sample_tokens`` now."""
+        self._start_sampling(step, background=False)
+        self._send_sampling(step)
+
+    def _start_sampling(self, step: InFlightStep, background: bool = True) -> None:
+        """Start filling the step's bitmask (on the manager's fill thread when it pays and
+        ``background``); ``_send_sampling`` sends it. A failure fails the step."""
         so = step.so
         try:
             drafts = _draft_counts(so)
-            grammar = self.structured.grammar_output(
-                so.step_id, so.grammar_req_ids, self.scheduler.step_requests(so.step_id, so.grammar_req_ids),
-                [drafts.get(rid, 0) for rid in so.grammar_req_ids] if drafts else None)
+            requests = self.scheduler.step_requests(so.step_id, so.grammar_req_ids)
+            if drafts:  # speculative decoding: rows over the drafts, filled here
+                step.grammar = PendingGrammarOutput(self.structured.grammar_output(
+                    so.step_id, so.grammar_req_ids, requests, [drafts.get(rid, 0) for rid in so.grammar_req_ids]),
+                    None)
+            else:
+                step.grammar = self.structured.start_grammar_output(so.step_id, so.grammar_req_ids, requests,
+                                                                    background)
         except Exception as e:
-            failed: Future[ModelRunnerOutput] = Future()
-            failed.set_exception(e)
-            step.output = failed
+            self._fail_sampling(step, e)
+
+    def _send_sampling(self, step: InFlightStep) -> None:
+        """Send the step's ``sample_tokens`` once its bitmask is filled (starting the fill
+        first if nobody did); nothing if it was sent."""
+        if step.output is not None:
             return
+        if step.grammar is None:
+            self._start_sampling(step, background=False)
+            if step.output is not None:  # the fill failed
+                return
+        assert step.grammar is not None
+        try:
+            grammar = step.grammar.result()
+        except Exception as e:
+            self._fail_sampling(step, e)
+            return
+        step.grammar = None
         step.output = self.executor.sample_tokens(grammar)
+
+    @staticmethod
+    def _fail_sampling(step: InFlightStep, exc: Exception) -> None:
+        failed: Future[ModelRunnerOutput] = Future()
+        failed.set_exception(exc)
+        step.grammar = None
+        step.output = failed
 
     def _early_sampling(self) -> Optional[Callable[[], None]]:
         """While the oldest step is being applied: if the one step left in flight awaits its
         sampling call, its grammars are current as soon as the applied step's tokens have
         advanced them (no other step holds its requests' tokens: none is launched while one
-        awaits sampling). Sampling it from there, before the rest of that step's
-        bookkeeping, starts the masked sampling on the device that much sooner. Not with
-        speculative decoding (a step's drafts reach the grammars at the end of the update)."""
+        awaits sampling). Its bitmask starts filling from there, on the fill thread, while
+        this thread finishes that step's bookkeeping, returns its outputs and schedules the
+        next step; the sampling call goes out before that step's launch (``_launch_next``).
+        Not with speculative decoding (a step's drafts reach the grammars at the end of the
+        update)."""
         if len(self.batch_queue) != 1 or self.batch_queue[0].output is not None or self.scheduler.spec is not None:
             return None
         step = self.batch_queue[0]
-        return lambda: self._sample(step)
+        return lambda: self._start_sampling(step)
 
     def _sample_deferred(self) -> None:
         for step in self.batch_queue:
-            if step.output is None and self._grammars_current(step.so):
-                self._sample(step)
+            if step.output is None and step.grammar is None and self._grammars_current(step.so):
+                self._start_sampling(step)
 
     def _note_first_scheduled(self, so: SchedulerOutput) -> None:
         now = time.monotonic()
@@ -322,7 +368,7 @@ class EngineCore:
         step = self.batch_queue[0]
         if step.output is None:  # nothing older is in flight: its grammars are current
             with deferred_interrupts():
-                self._sample(step)
+                self._send_sampling(step)
         assert step.output is not None
         try:
             if step.forward is not None:
@@ -348,6 +394,11 @@ class EngineCore:
         outs = self.scheduler.fail_step(so, msg)
         while self.batch_queue:
             later = self.batch_queue.popleft()
+            if later.grammar is not None:  # a fill under way: let it end before the requests go
+                try:
+                    later.grammar.result()
+                except Exception:
+                    pass
             for fut in (later.forward, later.output):  # a deferred step is never sampled now
                 if fut is not None:
                     try:

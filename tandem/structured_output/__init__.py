@@ -6,6 +6,7 @@ constrained requests; backends are xgrammar (default) and llguidance. Nothing he
 torch or a grammar library until the first constrained request arrives.
 """
 from tandem.structured_output.backend import GrammarCompileError, GrammarSpec, create_backend
-from tandem.structured_output.manager import RequestGrammarState, StructuredOutputManager
+from tandem.structured_output.manager import PendingGrammarOutput, RequestGrammarState, StructuredOutputManager
 
-__all__ = ["GrammarCompileError", "GrammarSpec", "RequestGrammarState", "StructuredOutputManager", "create_backend"]
+__all__ = ["GrammarCompileError", "GrammarSpec", "PendingGrammarOutput", "RequestGrammarState",
+           "StructuredOutputManager", "create_backend"]

@@ -10,6 +10,11 @@
   compiler's message, marked as the request's fault.
 * Each received token advances the request's matcher (``accept_token``, from the
   scheduler); ``grammar_output`` fills one bitmask row per constrained request of a step.
+* ``start_grammar_output`` fills a step's bitmask on a thread of its own (the fill runs in
+  the backend's native code, without the GIL), so the engine thread goes on with the rest
+  of its step meanwhile; ``PendingGrammarOutput.result()`` waits for it. While a fill runs
+  no other call may touch those matchers: the engine samples the step (which waits for the
+  fill) before it applies the step's tokens, and ``explain_refusal`` takes the fill lock.
 """
 from __future__ import annotations
 
@@ -39,13 +44,16 @@ class RequestGrammarState:
     thread only (the compilation future is the one thing another thread touches).
     """
 
-    __slots__ = ("_future", "_bitmask_words", "_stop_token_ids", "matcher", "terminated", "_error",
+    __slots__ = ("_future", "_bitmask_words", "_stop_token_ids", "_fill_lock", "matcher", "terminated", "_error",
                  "error_is_request_fault")
 
-    def __init__(self, future: "Future[CompiledGrammar]", bitmask_words: int, stop_token_ids: frozenset[int]) -> None:
+    def __init__(self, future: "Future[CompiledGrammar]", bitmask_words: int, stop_token_ids: frozenset[int],
+                 fill_lock: Optional[threading.Lock] = None) -> None:
         self._future = future
         self._bitmask_words = bitmask_words
         self._stop_token_ids = stop_token_ids
+        # Held by the manager's fill thread while it fills a step's bitmask.
+        self._fill_lock = fill_lock or threading.Lock()
         self.matcher: Optional[Matcher] = None
         # The matcher's is_terminated, kept here: it changes only when a stop token is
         # accepted, and the step loop asks for every constrained request at every step.
@@ -97,7 +105,8 @@ class RequestGrammarState:
 
         assert self.matcher is not None
         row = torch.zeros((1, self._bitmask_words), dtype=torch.int32)
-        self.matcher.fill_bitmask(row, 0)
+        with self._fill_lock:  # a background fill may be reading this matcher
+            self.matcher.fill_bitmask(row, 0)
         bits = ((row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).reshape(-1)
         allowed = int(bits.sum())
         if allowed == 0:
@@ -109,9 +118,30 @@ class RequestGrammarState:
         return f"structured outputs: the sampled token {token} is not allowed by the constraint", False
 
 
+class PendingGrammarOutput:
+    """A step's ``GrammarOutput`` whose bitmask may still be filling on the fill thread."""
+
+    __slots__ = ("_output", "_fill")
+
+    def __init__(self, output: GrammarOutput, fill: Optional["Future[None]"]) -> None:
+        self._output = output
+        self._fill = fill
+
+    def result(self) -> GrammarOutput:
+        """The output once its bitmask is filled (re-raises the fill's error)."""
+        if self._fill is not None:
+            self._fill.result()
+        return self._output
+
+
+# Fewer live rows than this are filled on the engine thread: handing the fill over costs
+# more than a few rows do.
+BACKGROUND_FILL_ROWS = 8
+
+
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: str, vocab_size: int, stop_token_ids: list[int],
-                 max_workers: Optional[int] = None, cache_size: int = 256) -> None:
+                 max_workers: Optional[int] = None, cache_size: int = 256, pin_bitmasks: bool = False) -> None:
         self.backend_name = backend
         self.tokenizer_path = tokenizer
         self.vocab_size = vocab_size
@@ -126,6 +156,14 @@ class StructuredOutputManager:
         self.num_compiles = 0  # compilations started (cache misses)
         self._bitmask_bufs: list[Optional["torch.Tensor"]] = [None, None]
         self._buf_turn = 0
+        # Page-locked bitmask buffers (a CUDA worker in this process): the worker copies a
+        # step's rows to the device straight from them.
+        self.pin_bitmasks = pin_bitmasks
+        # One thread fills step bitmasks in the background (``start_grammar_output``).
+        self._fill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-fill")
+        self._fill_lock = threading.Lock()
+        self.background_fill_rows = BACKGROUND_FILL_ROWS
+        self.num_background_fills = 0
 
     # -- compilation -------------------------------------------------------------------------
     def grammar_for(self, params: StructuredOutputsParams) -> RequestGrammarState:
@@ -140,7 +178,7 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(spec)
-        return RequestGrammarState(fut, self.bitmask_words, self.stop_token_ids)
+        return RequestGrammarState(fut, self.bitmask_words, self.stop_token_ids, self._fill_lock)
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         return self._get_backend().compile(spec)
@@ -202,7 +240,13 @@ class StructuredOutputManager:
         decoding) get a row per position, see ``_draft_output``."""
         if num_drafts is not None and any(num_drafts):
             return self._draft_output(step_id, req_ids, requests, num_drafts)
+        return self.start_grammar_output(step_id, req_ids, requests, background=False).result()
 
+    def start_grammar_output(self, step_id: int, req_ids: list[str], requests: list[Request],
+                             background: bool = True) -> PendingGrammarOutput:
+        """``grammar_output`` (without drafts) whose fill runs on the fill thread when the
+        step has ``background_fill_rows`` live rows or more (and ``background``): the caller
+        goes on, and must not touch these requests' matchers before ``result()``."""
         # Only the rows that constrain anything travel: a request that finished meanwhile or
         # whose grammar has ended is left out, i.e. unconstrained (the worker masks listed
         # rows only). Every listed row is filled whole, so the buffer needs no initial value.
@@ -215,22 +259,36 @@ class StructuredOutputManager:
                 live_ids.append(rid)
                 matchers.append(g.matcher)
         bitmask = self._bitmask_buffer(len(matchers))
-        if matchers:
-            assert self._backend is not None  # a matcher exists, so its backend does
-            self._backend.fill_bitmasks(matchers, bitmask, list(range(len(matchers))))
-        return GrammarOutput(step_id, live_ids, bitmask)
+        out = GrammarOutput(step_id, live_ids, bitmask)
+        if not matchers:
+            return PendingGrammarOutput(out, None)
+        backend = self._backend
+        assert backend is not None  # a matcher exists, so its backend does
+        rows = list(range(len(matchers)))
+        if not background or len(matchers) < self.background_fill_rows:
+            backend.fill_bitmasks(matchers, bitmask, rows)
+            return PendingGrammarOutput(out, None)
+        self.num_background_fills += 1
+
+        def fill() -> None:
+            with self._fill_lock:
+                backend.fill_bitmasks(matchers, bitmask, rows)
+
+        return PendingGrammarOutput(out, self._fill_thread.submit(fill))
 
     def _bitmask_buffer(self, rows: int) -> "torch.Tensor":
         """``[rows, words]`` int32, from one of two buffers used in turn and kept (a fresh
-        tensor a step would be fresh pages for the fill's threads to fault in). A step's
-        bitmask is read (copied, or serialized to the workers) by its ``sample_tokens``
-        call, which precedes the next step's fill; two buffers leave a step more."""
+        tensor a step would be fresh pages to fault in). A step's bitmask is read by its
+        ``sample_tokens`` call (copied, serialized to the workers, or, pinned, copied to the
+        device on the stream after the step's forward). The buffer comes round again for
+        the fill two steps later, which starts only once the step in between has returned
+        its tokens: its sampling, queued after that copy, has run, so the copy is done."""
         import torch
 
         self._buf_turn ^= 1
         buf = self._bitmask_bufs[self._buf_turn]
         if buf is None or buf.shape[0] < rows:
-            buf = torch.empty((max(rows, 64), self.bitmask_words), dtype=torch.int32)
+            buf = torch.empty((max(rows, 64), self.bitmask_words), dtype=torch.int32, pin_memory=self.pin_bitmasks)
             self._bitmask_bufs[self._buf_turn] = buf
         return buf[:rows]
 
@@ -256,3 +314,4 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fill_thread.shutdown(wait=True)

@@ -109,8 +109,9 @@ class BitmaskStager:
     constrained step, sized for ``max_rows``) and copied without blocking into one device
     buffer, as the staging buffer does: a pinned buffer is rewritten only after the copy that
     last read it has finished. (A copy from pageable memory may wait for the stream, i.e.
-    for the forward pass the bitmask is meant to overlap.) On the CPU the host rows are used
-    as they are.
+    for the forward pass the bitmask is meant to overlap.) A laid-out bitmask that is
+    already pinned (the engine core fills pinned buffers when this worker runs in its
+    process) is copied from where it is. On the CPU the host rows are used as they are.
 
     ``stage_rows`` moves only the constrained rows (with a 152k vocabulary a row is 19 KB:
     a batch of 256 where a fifth is constrained would otherwise copy 4.9 MB, mostly ones)
@@ -149,7 +150,10 @@ class BitmaskStager:
         if in_order:
             return self.stage(bitmask, None, num_rows), None
         host = self._pinned(words)[:k]
-        host.copy_(bitmask)
+        if bitmask.is_pinned():  # the engine core's own pinned buffer (see ``stage``)
+            host = bitmask
+        else:
+            host.copy_(bitmask)
         idx = self._host_idx[self._cur][:k]
         idx.copy_(torch.as_tensor(rows, dtype=torch.int64))
         assert self._device_buf is not None and self._device_idx is not None and self._device_by_row is not None
@@ -192,7 +196,12 @@ class BitmaskStager:
             full[rows] = bitmask
             return full
         host = self._pinned(words)[:num_rows]
-        if rows is None:
+        if rows is None and bitmask.is_pinned():
+            # Filled by the engine core (uniproc) into pinned memory: copied from there. It
+            # keeps the buffer until the step after next has returned its tokens, so the
+            # copy, queued before that step's sampling, is done before a refill.
+            host = bitmask
+        elif rows is None:
             host.copy_(bitmask)
         else:
             host.fill_(-1)
