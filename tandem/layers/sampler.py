@@ -148,8 +148,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     """Structured outputs: set ``-inf`` in place wherever ``bitmask`` (int32 ``[B, ceil(V/32)]``,
     bit ``t % 32`` of word ``t // 32`` for token ``t``, on the logits' device) has a 0 bit, in
     the rows ``indices`` (None: every row; a device tensor on CUDA, a list on the CPU).
-    xgrammar's kernel (Triton on CUDA, C++ on the CPU), imported only when a constrained
-    step runs."""
+    On CUDA tandem's Triton kernel (``tandem.kernels.bitmask``: a cheaper launch), on the
+    CPU xgrammar's C++ one; each imported only when a constrained step runs."""
+    if logits.is_cuda:
+        from tandem.kernels.bitmask import apply_token_bitmask_triton
+
+        assert indices is None or isinstance(indices, torch.Tensor)
+        apply_token_bitmask_triton(logits, bitmask, indices)
+        return
     import xgrammar
 
     xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
