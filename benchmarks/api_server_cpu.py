@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from serve_common import machine, random_prompts, start_server, stop_server
 
@@ -98,10 +99,11 @@ async def drive(url: str, prompts: list[list[int]], args: argparse.Namespace) ->
             "duration_s": m.duration_s, "mean_ttft_ms": m.ttft_ms.mean, "mean_tpot_ms": m.tpot_ms.mean}
 
 
-def start_profile(pid: int, path: str):
+def start_profile(pid: int, path: str, extra: Optional[list[str]] = None):
     import subprocess
 
-    return subprocess.Popen(["py-spy", "record", "-p", str(pid), "-r", "250", "--format", "raw", "-o", path],
+    return subprocess.Popen(["py-spy", "record", "-p", str(pid), "-r", "250", "--format", "raw", "-o", path]
+                            + (extra or []),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -199,6 +199,14 @@ def served(folder: str, count: str, args: argparse.Namespace, tmp: str) -> dict[
     return res
 
 
+def engine_core_pid(server_pid: int) -> int:
+    """The engine core among the server's descendants: the one holding the model (largest RSS)."""
+    import psutil
+
+    kids = psutil.Process(server_pid).children(recursive=True)
+    return max(kids, key=lambda k: k.memory_info().rss).pid
+
+
 def structured_runs(folder: str, count: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     """One server; the same served workload with a share of JSON-schema requests, for each
     of ``--structured-ratios`` (bench serve's default schema never closes, so every token of
@@ -211,7 +219,18 @@ def structured_runs(folder: str, count: str, args: argparse.Namespace, tmp: str)
         for r in ratios:  # warm-up: compile the grammar kernels and the schema once
             run_clients(port, args, max(args.clients * 8, 256), 3, tmp, structured_ratio=r)
         for r in ratios:
+            spy = None
+            if args.profile_core_ratio is not None and abs(r - args.profile_core_ratio) < 1e-9:
+                from api_server_cpu import start_profile
+
+                spy_path = os.path.join(tmp, "core.pyspy")
+                spy = start_profile(engine_core_pid(proc.pid), spy_path, extra=["--threads", "--idle"])
             res = run_clients(port, args, args.num_prompts, 4, tmp, structured_ratio=r)
+            if spy is not None:
+                from api_server_cpu import stop_profile
+
+                print(f"--- py-spy of the engine core, constrained share {r:g} ---", file=sys.stderr)
+                stop_profile(spy, spy_path, top=45)
             out["runs"][f"{r:g}"] = res
             log(f"structured share {r:g}: {res['output_tok_per_s']:.0f} tok/s, TPOT {res['mean_tpot_ms']:.2f} ms, "
                 f"failed {res['failed']}")
@@ -266,6 +285,8 @@ def main() -> int:
     p.add_argument("--structured-ratios", default=None, metavar="R,R,...",
                    help="also serve with these shares of JSON-schema requests (e.g. 0,0.2,0.8,1)")
     p.add_argument("--structured-count", default="auto", help="--api-server-count of the structured runs")
+    p.add_argument("--profile-core-ratio", type=float, default=None, metavar="R",
+                   help="py-spy the engine core (all threads) during the structured run of share R")
     p.add_argument("--tokenizer-from", default=None, metavar="DIR",
                    help="copy this tokenizer into the model folder (a byte-level one, so grammars can spell JSON); "
                         "the model's vocabulary becomes the tokenizer's size")

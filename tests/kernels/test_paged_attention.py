@@ -211,7 +211,9 @@ def test_choose_num_kv_splits(pa: ModuleType) -> None:
     assert f(1, 2, 1, 8192, 132) == 32
     assert f(64, 2, 1, 2048, 132) == 4
     assert f(512, 8, 1, 8192, 132) == 1  # the batch alone fills the GPU
-    assert f(1, 2, 1, 100, 132) == 1  # too short to split
+    assert f(1, 2, 1, 63, 132) == 1  # too short to split (under two 32-key chunks)
+    assert f(1, 2, 1, 100, 132) == 2
+    assert f(32, 2, 1, 300, 132) == 1  # a fuller batch splits only in 256-key chunks
     assert f(4, 2, 7, 8192, 132) == 1  # not a pure decode batch
     for b in (1, 3, 17, 64):
         s = f(b, 8, 1, 2048, 132)
