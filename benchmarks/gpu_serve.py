@@ -224,7 +224,7 @@ def structured_runs(folder: str, count: str, args: argparse.Namespace, tmp: str)
                 from api_server_cpu import start_profile
 
                 spy_path = os.path.join(tmp, "core.pyspy")
-                spy = start_profile(engine_core_pid(proc.pid), spy_path, extra=["--threads", "--idle"])
+                spy = start_profile(engine_core_pid(proc.pid), spy_path, extra=["--threads", "--idle", "--nonblocking"])
             res = run_clients(port, args, args.num_prompts, 4, tmp, structured_ratio=r)
             if spy is not None:
                 from api_server_cpu import stop_profile
