@@ -116,11 +116,14 @@ class EngineCore:
         num_blocks = min(self.executor.collective_rpc("determine_num_kv_blocks"))
         self.executor.collective_rpc("init_kv_cache", num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        # A CUDA worker in this process copies bitmasks to the device straight from pinned buffers.
-        pin = model_config.device == "cuda" and config.resolved_executor == "uniproc"
+        # A CUDA worker in this process copies bitmasks to the device straight from pinned
+        # buffers. Bitmasks fill on a thread of their own only when the model runs on CUDA
+        # (on the CPU the forward needs the cores).
+        cuda = model_config.device == "cuda"
         self.structured = StructuredOutputManager(config.structured_outputs_backend, model_config.tokenizer,
                                                   model_config.vocab_size, list(model_config.eos_token_ids),
-                                                  pin_bitmasks=pin)
+                                                  pin_bitmasks=cuda and config.resolved_executor == "uniproc",
+                                                  background_fills=cuda)
         self.scheduler = Scheduler(
             self.kv_cache,
             max_num_seqs=model_config.max_num_seqs,

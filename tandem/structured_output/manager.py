@@ -141,7 +141,8 @@ BACKGROUND_FILL_ROWS = 8
 
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: str, vocab_size: int, stop_token_ids: list[int],
-                 max_workers: Optional[int] = None, cache_size: int = 256, pin_bitmasks: bool = False) -> None:
+                 max_workers: Optional[int] = None, cache_size: int = 256, pin_bitmasks: bool = False,
+                 background_fills: bool = True) -> None:
         self.backend_name = backend
         self.tokenizer_path = tokenizer
         self.vocab_size = vocab_size
@@ -162,7 +163,10 @@ class StructuredOutputManager:
         # One thread fills step bitmasks in the background (``start_grammar_output``).
         self._fill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-fill")
         self._fill_lock = threading.Lock()
-        self.background_fill_rows = BACKGROUND_FILL_ROWS
+        # Off (no row count qualifies) for an engine whose model runs on the CPU: there the
+        # forward's OpenMP team needs every core, and a fill beside it stalls its parallel
+        # regions (host_step.py on the 2-core machine: +0.2-0.9 ms a step with the fill thread).
+        self.background_fill_rows = BACKGROUND_FILL_ROWS if background_fills else 1 << 62
         self.num_background_fills = 0
 
     # -- compilation -------------------------------------------------------------------------
