@@ -22,10 +22,11 @@ launches the forward pass only, and ``sample_tokens(GrammarOutput)`` applies the
 bitmask and samples. The bitmask of a request needs every token before it, so with a step
 in flight that samples one of the step's constrained requests, sampling is deferred: the
 oldest step is completed first (its tokens advance the grammars) while the new forward
-runs, then the bitmask is filled and ``sample_tokens`` sent. Otherwise it is sent at once.
-No step is launched while another awaits its sampling call, so the worker always sees
-forward N, sample N, forward N+1, sample N+1. A step without constrained requests is one
-call, exactly as before.
+runs, then the bitmask is filled (on CUDA, on the structured-output manager's fill thread,
+while this thread finishes the completed step and schedules the next) and ``sample_tokens``
+sent just before the next launch. Otherwise it is sent at once. No step is launched while
+another awaits its sampling call, so the worker always sees forward N, sample N, forward
+N+1, sample N+1. A step without constrained requests is one call, exactly as before.
 
 **Interrupts** (Ctrl-C, a signal handler's exception) never leave the engine half-changed:
 the bookkeeping sections run under ``tandem.interrupts.deferred_interrupts``; a step whose
