@@ -667,7 +667,7 @@ class ModelRunner:
         """The bitmask by sampled row on the device, and the rows it constrains (None: all);
         only the constrained rows are copied."""
         if grammar.req_ids == req_ids:  # every sampled row constrained, in order (no index to build)
-            return self.bitmasks.stage(grammar.bitmask, None, len(req_ids)), None
+            return self.bitmasks.stage_rows(grammar.bitmask, None, len(req_ids))
         pos = {rid: k for k, rid in enumerate(req_ids)}
         missing = [rid for rid in grammar.req_ids if rid not in pos]
         if missing:

@@ -133,22 +133,20 @@ class BitmaskStager:
         self._device_idx: Optional[torch.Tensor] = None
         self._device_by_row: Optional[torch.Tensor] = None
 
-    def stage_rows(self, bitmask: torch.Tensor, rows: list[int], num_rows: int
+    def stage_rows(self, bitmask: torch.Tensor, rows: Optional[list[int]], num_rows: int
                    ) -> tuple[torch.Tensor, Optional[torch.Tensor | list[int]]]:
         """The mask by sampled row on the device, and which rows to mask: row ``rows[i]``
-        is ``bitmask[i]``; other rows are left undefined and must not be masked. The
-        indices are None when every row is listed in order, a device tensor on CUDA, a list
-        on the CPU (what xgrammar's kernels take)."""
+        is ``bitmask[i]`` (``rows`` None: row ``i``, every row listed); other rows are left
+        undefined and must not be masked. The indices are None when every row is listed in
+        order, a device tensor on CUDA, a list on the CPU (what xgrammar's kernels take)."""
         k, words = bitmask.shape
-        in_order = k == num_rows and rows == list(range(num_rows))
+        if rows is None or (k == num_rows and rows == list(range(num_rows))):
+            assert k == num_rows
+            return (self.stage(bitmask, None, num_rows) if self.cuda else bitmask), None
         if not self.cuda:
-            if in_order:
-                return bitmask, None
             by_row = torch.empty((num_rows, words), dtype=torch.int32)
             by_row[rows] = bitmask
             return by_row, rows
-        if in_order:
-            return self.stage(bitmask, None, num_rows), None
         host = self._pinned(words)[:k]
         if bitmask.is_pinned():  # the engine core's own pinned buffer (see ``stage``)
             host = bitmask
