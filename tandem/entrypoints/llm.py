@@ -147,10 +147,12 @@ class LLM:
                         if len(prompt_list) == 1:
                             raise
                         raise ValueError(f"prompt {i}: {e}") from e
+                # In the try too: an interrupt between the adds and ``_run``'s own guard
+                # (the progress bar takes a while to build) still aborts the requests.
+                return self._run(ids, use_tqdm)
             except BaseException:
-                self._abort(ids)  # a bad prompt rejects the whole call, leaving nothing behind
+                self._abort(ids)  # a bad prompt or an interrupt leaves nothing behind
                 raise
-            return self._run(ids, use_tqdm)
 
     def chat(
         self,
@@ -165,8 +167,9 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         wanted = set(ids)
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        bar: Optional[tqdm] = None
         try:
+            bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
             while len(final) < len(ids):
                 for out in self.engine.step(final_only=True):
                     if out.finished and out.request_id in wanted:
@@ -176,7 +179,8 @@ class LLM:
             self._abort(ids)
             raise
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
         self._run_until_idle()
         results = [final[r] for r in ids]
         failed = [r for r in results if r.error is not None]

@@ -167,3 +167,26 @@ def test_random_interrupts_leave_the_engine_as_it_was(tiny_llama, executor):
     finally:
         signal.signal(signal.SIGUSR1, old)
         _shutdown(llm)
+
+
+@pytest.mark.timeout(120)
+def test_interrupt_between_the_adds_and_the_run_aborts_the_requests(tiny_llama, monkeypatch):
+    """An interrupt after every request was added but before the step loop's own guard (the
+    progress bar being built, which takes a while) aborts the call's requests: none waits
+    in the engine for nobody (the random-interrupt test above hit this window once)."""
+    import tandem.entrypoints.llm as llm_module
+
+    llm = LLM(tiny_llama, block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, max_num_seqs=8, max_num_batched_tokens=64)
+    try:
+        def interrupted_bar(*a, **kw):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(llm_module, "tqdm", interrupted_bar)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        _assert_clean(llm)
+        monkeypatch.undo()
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()
