@@ -147,11 +147,7 @@ class BitmaskStager:
             by_row = torch.empty((num_rows, words), dtype=torch.int32)
             by_row[rows] = bitmask
             return by_row, rows
-        host = self._pinned(words)[:k]
-        if bitmask.is_pinned():  # the engine core's own pinned buffer (see ``stage``)
-            host = bitmask
-        else:
-            host.copy_(bitmask)
+        host = self._pinned_source(bitmask, self._pinned(words)[:k])
         idx = self._host_idx[self._cur][:k]
         idx.copy_(torch.as_tensor(rows, dtype=torch.int64))
         assert self._device_buf is not None and self._device_idx is not None and self._device_by_row is not None
@@ -178,6 +174,14 @@ class BitmaskStager:
             ev.synchronize()  # the copy that last read this pinned buffer is not done yet
         return self._hosts[self._cur]
 
+    @staticmethod
+    def _pinned_source(bitmask: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+        """Where the device copy reads ``bitmask`` from: itself when it is pinned (filled by
+        the engine core in this process, which keeps the buffer until the step after next
+        has returned its tokens, so the copy, queued before that step's sampling, is done
+        before a refill), else ``host`` after copying it there."""
+        return bitmask if bitmask.is_pinned() else host.copy_(bitmask)
+
     def _record(self) -> None:
         ev = self._events[self._cur] or torch.cuda.Event()
         ev.record()
@@ -194,13 +198,8 @@ class BitmaskStager:
             full[rows] = bitmask
             return full
         host = self._pinned(words)[:num_rows]
-        if rows is None and bitmask.is_pinned():
-            # Filled by the engine core (uniproc) into pinned memory: copied from there. It
-            # keeps the buffer until the step after next has returned its tokens, so the
-            # copy, queued before that step's sampling, is done before a refill.
-            host = bitmask
-        elif rows is None:
-            host.copy_(bitmask)
+        if rows is None:
+            host = self._pinned_source(bitmask, host)
         else:
             host.fill_(-1)
             host[rows] = bitmask
