@@ -40,6 +40,12 @@ class Executor(abc.ABC):
         """Launch one step; the future resolves to its output (or raises its error) — to None
         for a constrained step, whose output comes from ``sample_tokens``."""
 
+    def prepare_model(self, so: SchedulerOutput) -> None:
+        """Optional: build step ``so``'s inputs now, before the sampling call of the step
+        launched last; ``execute_model(so)`` follows that call and only launches. Never
+        raises a step's error (``execute_model(so)``'s future does). Executors whose workers
+        live elsewhere do nothing: their workers take calls in order on their own."""
+
     @abc.abstractmethod
     def sample_tokens(self, grammar: GrammarOutput) -> "Future[ModelRunnerOutput]":
         """Sample the constrained step whose forward ``execute_model`` launched last, with

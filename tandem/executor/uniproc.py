@@ -57,6 +57,9 @@ class UniProcExecutor(Executor):
     def execute_model(self, so: SchedulerOutput) -> "Future[Optional[ModelRunnerOutput]]":
         return self._launch(self.worker.execute_model, so, forward_only=bool(so.grammar_req_ids))
 
+    def prepare_model(self, so: SchedulerOutput) -> None:
+        self.worker.prepare_model(so)
+
     def sample_tokens(self, grammar: GrammarOutput) -> "Future[ModelRunnerOutput]":
         return self._launch(self.worker.sample_tokens, grammar, forward_only=False)
 

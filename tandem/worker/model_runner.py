@@ -102,6 +102,29 @@ class LaunchedForward:
     row_counts: Optional[np.ndarray] = None  # the same whenever speculation is on (bitmask layout)
 
 
+@dataclass
+class PreparedStep:
+    """A step's host inputs, packed into the staging buffer but not yet uploaded
+    (``ModelRunner.prepare``); the fields past ``plan`` are unset when nothing is scheduled."""
+
+    plan: StepPlan
+    graph_size: Optional[int] = None  # the decode graph's bucket, if one runs the step
+    verify_size: Optional[int] = None  # the verify graph's bucket (speculative decoding)
+    segs: Any = None  # BatchSegments
+    qsl: Any = None  # np.ndarray int32 [B + 1] query start locations
+    seq_lens: Any = None  # np.ndarray int32 [B]
+    writes: Optional[tuple[Segment, Segment, Segment, Segment]] = None  # new tokens / blocks
+    sample_idx: Any = None  # np.ndarray: batch indices of the sampling sequences
+    layout: Optional[SampleLayout] = None  # speculative decoding's sampled rows
+    row_idx: Any = None  # np.ndarray: each sampled row's batch index
+    row_lens: Any = None  # np.ndarray: each sampled row's sequence length
+    logits_rows: Optional[Segment] = None
+    sample_dest: Optional[Segment] = None
+    sampling: Optional[Callable[..., SamplingMetadata]] = None
+    plain_greedy: bool = False
+    spec_staged: Any = None
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -159,7 +182,10 @@ class ModelRunner:
         # Shortest key chunk of a split-KV decode: contexts under twice this take one split.
         self.min_split_tokens = MIN_SPLIT_TOKENS
         self.stats_graph_steps = 0
+        self.stats_prepared_steps = 0  # steps launched from inputs ``prepare`` built ahead
         self._pending: Optional[LaunchedForward] = None  # a constrained step's forward, until sampled
+        # (step id, inputs built ahead by ``prepare``, or the error building them raised)
+        self._prepared: Optional[tuple[int, "PreparedStep | Exception"]] = None
         self.bitmasks = BitmaskStager(ring, device)  # a row per sampled row (1 + k per request)
 
     def init_draft_kv_cache(self, num_blocks: int, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
@@ -505,11 +531,48 @@ class ModelRunner:
             self.batch.discard_unapplied()
             raise
 
+    def prepare(self, so: SchedulerOutput) -> None:
+        """Build step ``so``'s host inputs now, before the sampling call of the step launched
+        last; ``execute_model(so)``, which must follow that call, then only uploads and
+        launches them. With a constrained step in flight the engine core sends its sampling
+        call as soon as the step's bitmask is filled, and the forward after it must wait for
+        that call (it reads the sampled ids); building its inputs first takes that work off
+        the path from the bitmask to the next forward. Nothing reaches the device here: the
+        device buffers still hold the waiting step's inputs, which its sampling reads. An
+        error is kept and raised by ``execute_model(so)``, the step's own call."""
+        self._prepared = None
+        if self.spec is not None:  # speculative steps stage against the proposer's state: not ahead
+            return
+        try:
+            self._prepared = (so.step_id, self._prepare(so))
+        except Exception as e:
+            self.batch.discard_unapplied()
+            self._prepared = (so.step_id, e)
+
+    def _take_prepared(self, so: SchedulerOutput) -> Optional["PreparedStep"]:
+        """The inputs ``prepare`` built for ``so``, if it did (raising its error); a step
+        prepared but never launched (abandoned) is dropped."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is None or prepared[0] != so.step_id:
+            return None
+        if isinstance(prepared[1], Exception):
+            raise prepared[1]
+        self.stats_prepared_steps += 1
+        return prepared[1]
+
     def _execute(self, so: SchedulerOutput) -> Optional[AsyncModelOutput]:
-        plan = self._update_states(so)
-        if not plan.num_seqs:  # nothing scheduled (e.g. a call that only primes the pipeline)
+        prep = self._take_prepared(so) or self._prepare(so)
+        if not prep.plan.num_seqs:  # nothing scheduled (e.g. a call that only primes the pipeline)
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return AsyncModelOutput(so.step_id, [], empty, None, {}, self.copy_stream, self.host_ring)
+        return self._launch(so, prep)
+
+    def _prepare(self, so: SchedulerOutput) -> "PreparedStep":
+        """Steps 1 and 2 on the host: the batch updated, every input packed into the staging
+        buffer (not uploaded)."""
+        plan = self._update_states(so)
+        if not plan.num_seqs:
+            return PreparedStep(plan)
         graph_size = self._graph_size(plan)
         verify_size = self._verify_graph_size(plan) if graph_size is None and self.verify_graphs else None
         sb = self.staging
@@ -527,6 +590,17 @@ class ModelRunner:
         sample_dest = sb.put(plan.rows[row_idx].astype(np.int64) * self.batch.width + row_lens)
         sampling, plain_greedy = self._stage_sampling(plan, row_idx, row_lens)
         spec_staged = self._stage_spec(plan, layout, sample_idx, seq_lens) if layout is not None else None
+        return PreparedStep(plan, graph_size, verify_size, segs, qsl, seq_lens, writes, sample_idx, layout, row_idx,
+                            row_lens, logits_rows, sample_dest, sampling, plain_greedy, spec_staged)
+
+    def _launch(self, so: SchedulerOutput, prep: "PreparedStep") -> Optional[AsyncModelOutput]:
+        """Steps 3 and 4: upload, run the forward pass, and sample unless constrained."""
+        plan, graph_size, verify_size, segs = prep.plan, prep.graph_size, prep.verify_size, prep.segs
+        qsl, seq_lens, writes, sample_idx, layout = prep.qsl, prep.seq_lens, prep.writes, prep.sample_idx, prep.layout
+        row_idx, logits_rows, sample_dest, sampling = prep.row_idx, prep.logits_rows, prep.sample_dest, prep.sampling
+        plain_greedy, spec_staged = prep.plain_greedy, prep.spec_staged
+        assert logits_rows is not None and sample_dest is not None and sampling is not None  # a step was scheduled
+        sb = self.staging
         sb.upload()
 
         self._apply_table_writes(writes)
@@ -728,8 +802,10 @@ class ModelRunner:
         plain_greedy = (all_greedy and max_lp is None and not use_pen and "min_tokens_rows" not in seg
                         and "logit_bias_index" not in seg)
 
+        views = {k: sb.view(s) for k, s in seg.items()}  # bound now: the buffer may be packing the next step
+
         def build(corr_rows: Optional[torch.Tensor] = None) -> SamplingMetadata:
-            v = {k: sb.view(s) for k, s in seg.items()}
+            v = dict(views)
             if corr_rows is not None:  # positions were optimistic (speculative decoding, async)
                 if "pen_slen" in v:
                     v["pen_slen"] = v["pen_slen"] - corr_rows

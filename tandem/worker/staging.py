@@ -16,7 +16,9 @@ CUDA graphs read their inputs from fixed offsets of the same device buffer: a de
 packs its segments in a layout that depends only on the padded batch size, so a graph
 captured for that size finds this step's values where it read them at capture.
 
-On the CPU there is nothing to copy: the "device" buffer is the host buffer.
+On the CPU there is nothing to copy: the "device" buffer is the host buffer being packed.
+It alternates between two all the same, so that a step packed ahead of the previous
+step's sampling call (``ModelRunner.prepare``) leaves the inputs that call reads intact.
 """
 from __future__ import annotations
 
@@ -42,9 +44,8 @@ class StagingBuffer:
         self.device = device
         self.capacity = capacity_words
         self.cuda = device.type == "cuda"
-        n_host = 2 if self.cuda else 1
-        self._hosts = [torch.zeros(capacity_words, dtype=torch.int32, pin_memory=self.cuda) for _ in range(n_host)]
-        self._events: list[Optional[torch.cuda.Event]] = [None] * n_host
+        self._hosts = [torch.zeros(capacity_words, dtype=torch.int32, pin_memory=self.cuda) for _ in range(2)]
+        self._events: list[Optional[torch.cuda.Event]] = [None, None]
         self.device_buf = (torch.zeros(capacity_words, dtype=torch.int32, device=device) if self.cuda
                            else self._hosts[0])
         self._cur = 0
@@ -54,12 +55,14 @@ class StagingBuffer:
     # -- packing ---------------------------------------------------------------------------
     def begin(self, at: int = 0) -> None:
         """Start packing a step at word ``at`` (after a fixed-layout region, if any)."""
+        self._cur ^= 1
         if self.cuda:
-            self._cur ^= 1
             ev = self._events[self._cur]
             if ev is not None and not ev.query():
                 ev.synchronize()  # the copy that last read this host buffer is not done yet
-            self._np = self._hosts[self._cur].numpy()
+        else:
+            self.device_buf = self._hosts[self._cur]
+        self._np = self._hosts[self._cur].numpy()
         self.offset = at
 
     def reserve(self, count: int, dtype: np.dtype | type, at: Optional[int] = None) -> tuple[Segment, np.ndarray]:

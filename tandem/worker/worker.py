@@ -135,6 +135,11 @@ class Worker:
         out = self.runner.execute_model(so)
         return out if self.rank == 0 else None
 
+    def prepare_model(self, so: SchedulerOutput) -> None:
+        """Build step ``so``'s host inputs ahead of the pending sampling call (the uniproc
+        executor; see ``ModelRunner.prepare``)."""
+        self.runner.prepare(so)
+
     def sample_tokens(self, grammar: GrammarOutput) -> Optional[AsyncModelOutput]:
         """Mask and sample the constrained step launched last (rank 0; the others take part
         in the broadcast of the ids and return None)."""

@@ -33,7 +33,7 @@ def engine(model: str, a: bool, **kw) -> LLMEngine:
 
 
 def constrained(max_tokens: int = 12, so: StructuredOutputsParams = REGEX, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so, **kw)
+    return SamplingParams(**{"temperature": 0.0, **kw}, max_tokens=max_tokens, structured_outputs=so)
 
 
 def gate_compilation(e: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
@@ -158,6 +158,90 @@ def test_constrained_step_calls_keep_their_order(tiny_llama, monkeypatch):
         if kind == "forward":
             assert nxt == ("sample", sid), f"forward of step {sid} followed by {nxt}"
     assert any(k == "forward" for k, _ in calls) and e.core.stats.num_sampling_deferred > 0
+    e.shutdown()
+
+
+def test_next_step_is_built_before_the_deferred_sampling_call_and_equals_sync(tiny_llama, monkeypatch):
+    """Async: the inputs of step N+1 are built (``prepare_model``) before step N's deferred
+    sampling call, and only launched after it; with requests arriving and finishing (rows
+    freed and reused while a step waits for its sampling), seeded and greedy, constrained
+    and not, every token equals the synchronous engine's."""
+    items = [WorkItem(f"c{i}", [5 + i, 6, 7], constrained(6 + 3 * i), arrive_step=i) for i in range(4)]
+    items += [WorkItem(f"r{i}", [9, 4 + i], constrained(10, so=TINY_CONSTRAINTS[3][0], temperature=1.1, seed=i),
+                       arrive_step=2 * i) for i in range(3)]
+    items += [WorkItem(f"u{i}", [8, 9, i + 3], SamplingParams(temperature=0.8, seed=40 + i, max_tokens=4 + 5 * i),
+                       arrive_step=i) for i in range(4)]
+    expected = run_workload(engine(tiny_llama, False, max_num_batched_tokens=12), items).outputs
+    e = engine(tiny_llama, True, max_num_batched_tokens=12)
+    ex = e.core.executor
+    calls: list[tuple[str, int]] = []
+    orig_prepare, orig_exec, orig_sample = ex.prepare_model, ex.execute_model, ex.sample_tokens
+
+    def prepare_model(so):
+        calls.append(("prepare", so.step_id))
+        return orig_prepare(so)
+
+    def execute_model(so):
+        calls.append(("launch", so.step_id))
+        return orig_exec(so)
+
+    def sample_tokens(grammar: GrammarOutput):
+        calls.append(("sample", grammar.step_id))
+        return orig_sample(grammar)
+
+    monkeypatch.setattr(ex, "prepare_model", prepare_model)
+    monkeypatch.setattr(ex, "execute_model", execute_model)
+    monkeypatch.setattr(ex, "sample_tokens", sample_tokens)
+    got = run_workload(e, items).outputs
+    assert_same(expected, got, items)
+    prepared = [sid for kind, sid in calls if kind == "prepare"]
+    assert prepared and ex.worker.runner.stats_prepared_steps == len(prepared)
+    for sid in prepared:  # prepare N+1, sample N, launch N+1
+        k = calls.index(("prepare", sid))
+        assert calls[k + 1][0] == "sample" and calls[k + 1][1] < sid and calls[k + 2] == ("launch", sid), calls[k:k + 3]
+    e.shutdown()
+
+
+def test_a_step_built_ahead_then_interrupted_before_its_launch_leaves_nothing_behind(tiny_llama, monkeypatch):
+    """An interrupt between building a step ahead and launching it abandons the step (its
+    requests fail); the inputs built for it are dropped, and later requests decode exactly
+    as on a fresh engine."""
+    e = engine(tiny_llama, True)
+    ex = e.core.executor
+    runner = ex.worker.runner
+    orig_prepare, orig_exec = ex.prepare_model, ex.execute_model
+    built: list[int] = []
+    fired: list[int] = []
+
+    def prepare_model(so):
+        built.append(so.step_id)
+        return orig_prepare(so)
+
+    def execute_model(so):
+        if not fired and built and built[-1] == so.step_id:
+            fired.append(so.step_id)
+            raise KeyboardInterrupt
+        return orig_exec(so)
+
+    monkeypatch.setattr(ex, "prepare_model", prepare_model)
+    monkeypatch.setattr(ex, "execute_model", execute_model)
+    e.add_request("c", [5, 6, 7], constrained(12))
+    e.add_request("u", [8, 9], SamplingParams(temperature=0, max_tokens=12))
+    interrupts = 0
+    for _ in range(200):
+        if not e.has_unfinished_requests():
+            break
+        try:
+            e.step()
+        except KeyboardInterrupt:
+            interrupts += 1
+    assert fired and interrupts == 1 and not e.has_unfinished_requests()
+    assert runner._prepared is not None and runner._prepared[0] == fired[0]  # built, never launched
+    late = [WorkItem("late-c", [5, 6, 7], constrained(12)),
+            WorkItem("late-u", [8, 9], SamplingParams(temperature=0, max_tokens=12))]
+    expected = run_workload(engine(tiny_llama, False), late).outputs
+    assert_same(expected, run_workload(e, late).outputs, late)
+    assert runner._prepared is None or runner._prepared[0] != fired[0]
     e.shutdown()
 
 
