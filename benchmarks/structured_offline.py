@@ -38,6 +38,20 @@ def set_fill_threads(llm: Any, threads: str) -> None:
     llm.engine.core.structured._backend._batch = xgr.BatchGrammarMatcher(max_threads=int(threads))
 
 
+def set_fill_handover(llm: Any, handover: str) -> None:
+    """How a background bitmask fill is handed to its thread: ``handshake`` (tandem's
+    ``FillThread``: the submitter waits until the thread has the job) or ``pool`` (a
+    one-thread ``ThreadPoolExecutor``: the job waits for the GIL), to measure the difference."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tandem.structured_output.manager import FillThread
+
+    so = llm.engine.core.structured
+    so._fill_thread.shutdown()
+    so._fill_thread = (FillThread("tandem-fill") if handover == "handshake"
+                       else ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-fill-pool"))
+
+
 class SectionTimers:
     """Wall time of the engine's step sections (wrapped methods of the live objects), per
     constrained share: where a step's host time goes, at perf_counter cost, no profiler."""
@@ -47,6 +61,7 @@ class SectionTimers:
         core = engine.core
         self.totals: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.samples: dict[str, list[float]] = {}  # each call's seconds, for the spread
         self.wrap(engine, "step", "engine.step (all)")
         self.wrap(engine.output_processor, "process_outputs", "output_processor.process_outputs")
         self.wrap(core.scheduler, "schedule", "scheduler.schedule")
@@ -55,14 +70,19 @@ class SectionTimers:
         self.wrap(core.structured, "grammar_output", "structured.grammar_output (incl. fill)")
         self.wrap(core.structured, "start_grammar_output", "structured.start_grammar_output (rows, hand-over)")
         self.wrap(core, "_send_sampling", "core._send_sampling (wait for the fill, sample_tokens)")
+        self.wrap(core.executor, "prepare_model", "executor.prepare_model (inputs built ahead)")
         self.wrap(core.executor, "execute_model", "executor.execute_model")
         self.wrap(core.executor, "sample_tokens", "executor.sample_tokens")
         if core.structured._backend is not None:
             self.wrap(core.structured._backend, "fill_bitmasks", "backend.fill_bitmasks (on the fill thread)")
-        # Inside sample_tokens (the uniproc executor's runner, in this process).
+        # Inside sample_tokens (the uniproc executor's runner, in this process; a multiproc
+        # worker's runner is in its own process, out of reach).
         import tandem.worker.model_runner as mr
 
-        runner = core.executor.worker.runner
+        worker = getattr(core.executor, "worker", None)
+        if worker is None:
+            return
+        runner = worker.runner
         self.wrap(runner.bitmasks, "stage_rows", "runner: bitmask stage_rows (copy, upload, scatter)")
         self.wrap(runner.bitmasks, "stage", "runner: bitmask stage")
         self.wrap(mr, "apply_token_bitmask", "runner: apply_token_bitmask (launch)")
@@ -78,15 +98,26 @@ class SectionTimers:
             try:
                 return inner(*a, **kw)
             finally:
-                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - t
+                dt = time.perf_counter() - t
+                self.totals[label] = self.totals.get(label, 0.0) + dt
                 self.calls[label] = self.calls.get(label, 0) + 1
+                self.samples.setdefault(label, []).append(dt)
 
         setattr(obj, name, timed)
 
     def report(self, steps: int) -> dict[str, float]:
+        """ms per launched step by section, and each section's median and 90th-percentile
+        call (``<section> p50`` / ``p90``, ms a call)."""
+        import statistics
+
         out = {k: 1e3 * v / max(steps, 1) for k, v in self.totals.items()}
+        for k, xs in self.samples.items():
+            xs.sort()
+            out[f"{k} p50"] = 1e3 * statistics.median(xs)
+            out[f"{k} p90"] = 1e3 * xs[int(0.9 * (len(xs) - 1))]
         self.totals.clear()
         self.calls.clear()
+        self.samples.clear()
         return out
 
 
@@ -101,6 +132,12 @@ def main() -> int:
     ap.add_argument("--fill-threads", default="", help="comma list of xgrammar fill thread counts to compare")
     ap.add_argument("--timers", action="store_true", help="time the step's sections (wrapped methods)")
     ap.add_argument("--trace-dir", default=None, help="write each share's torch.profiler trace (Chrome JSON) here")
+    ap.add_argument("--prepare-ahead", default="on", help="comma list of on/off: build the next step's inputs "
+                    "before a constrained step's sampling call (EngineCore.prepare_ahead; tandem's default: on)")
+    ap.add_argument("--fill-handover", default="handshake", help="comma list of handshake/pool: how a "
+                    "background bitmask fill reaches its thread (set_fill_handover; tandem's default: handshake)")
+    ap.add_argument("--executor", default="uniproc", choices=["uniproc", "multiproc"],
+                    help="multiproc: the worker (launches, sampling) in its own process")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -110,23 +147,26 @@ def main() -> int:
 
     shape = dict(SHAPES[args.shape], vocab_size=tokenizer_vocab(args.tokenizer_from))
     result: dict[str, Any] = {"shape": args.shape, "vocab_size": shape["vocab_size"], "backend": args.backend,
-                              "runs": []}
+                              "executor": args.executor, "runs": []}
     plain = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     constrained = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True,
                                  structured_outputs=StructuredOutputsParams(json=DEFAULT_SCHEMA))
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_model(os.path.join(tmp, "model"), shape)
         use_tokenizer(folder, args.tokenizer_from)
-        llm = tandem_llm(folder, structured_outputs_backend=args.backend)
+        llm = tandem_llm(folder, structured_outputs_backend=args.backend, executor=args.executor)
         vocab = shape["vocab_size"]
         run_engine(llm, prompts_of(16, 128, vocab, seed=7), [constrained] * 8 + [plain] * 8)  # compile, warm
         timers = SectionTimers(llm) if args.timers else None
         base = None
-        configs = [(t, float(r)) for t in (args.fill_threads.split(",") if args.fill_threads else [""])
+        configs = [(t, ahead, hand, float(r)) for t in (args.fill_threads.split(",") if args.fill_threads else [""])
+                   for ahead in args.prepare_ahead.split(",") for hand in args.fill_handover.split(",")
                    for r in args.ratios.split(",")]
-        for k, (threads, ratio) in enumerate(configs):
+        for k, (threads, ahead, handover, ratio) in enumerate(configs):
             if threads:  # xgrammar's fill threads (the backend's default: 1)
                 set_fill_threads(llm, threads)
+            set_fill_handover(llm, handover)
+            llm.engine.core.prepare_ahead = ahead == "on"
             n = round(ratio * 256)
             sps = [constrained] * n + [plain] * (256 - n)
             runs = []
@@ -141,15 +181,17 @@ def main() -> int:
                     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
                     print(f"--- cProfile, ratio {ratio}, steps 40..100 ---\n{s.getvalue()}", flush=True)
             best = max(runs, key=lambda x: x["tok_per_s"])
-            label = f"fill threads {threads or 'default'}, ratio {ratio}"
-            row = {"ratio": ratio, "fill_threads": threads or "default", "tok_per_s": best["tok_per_s"],
+            label = f"fill threads {threads or 'default'}, prepare ahead {ahead}, {handover} hand-over, ratio {ratio}"
+            row = {"ratio": ratio, "fill_threads": threads or "default", "prepare_ahead": ahead,
+                   "fill_handover": handover,
+                   "tok_per_s": best["tok_per_s"],
                    "all_tok_per_s": [x["tok_per_s"] for x in runs], "ms_per_step": best["ms_per_step"],
                    "profile": runs[0].get("profile"), "steady_wall_ms_per_loop": runs[0].get("steady_wall_ms_per_loop")}
             if timers is not None:  # ms per launched step, over all rounds of this share
                 row["sections_ms_per_step"] = sections = timers.report(sum(x["steps"] for x in runs))
                 parts = ", ".join(f"{name} {ms:.3f}" for name, ms in sections.items())
                 print(f"{label} sections, ms per step: {parts}", flush=True)
-            if base is None and n == 0:
+            if n == 0:
                 base = row["tok_per_s"]
             row["vs_unconstrained"] = row["tok_per_s"] / base if base else None
             result["runs"].append(row)

@@ -12,7 +12,9 @@
   scheduler); ``grammar_output`` fills one bitmask row per constrained request of a step.
 * ``start_grammar_output`` fills a step's bitmask on a thread of its own (the fill runs in
   the backend's native code, without the GIL), so the engine thread goes on with the rest
-  of its step meanwhile; ``PendingGrammarOutput.result()`` waits for it. While a fill runs
+  of its step meanwhile; ``PendingGrammarOutput.result()`` waits for it. The hand-over is a
+  handshake (``FillThread``): a thread merely woken would wait for the GIL until the engine
+  thread's pure-Python work paused, i.e. until it waited for the fill. While a fill runs
   no other call may touch those matchers: the engine samples the step (which waits for the
   fill) before it applies the step's tokens, and ``explain_refusal`` takes the fill lock.
 """
@@ -23,7 +25,7 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from tandem.sampling_params import StructuredOutputsParams
 from tandem.structured_output.backend import (CompiledGrammar, GrammarBackend, GrammarBackendError,
@@ -134,6 +136,71 @@ class PendingGrammarOutput:
         return self._output
 
 
+class FillThread:
+    """One thread that runs a job (a step's bitmask fill) as soon as it is handed over.
+
+    A pool thread woken by ``submit`` needs the GIL before it can run, and the engine
+    thread, busy with pure-Python scheduling and bookkeeping, gives it up only every switch
+    interval (5 ms) or when it blocks: the fill then started late, often when the engine
+    thread came to wait for it. ``submit`` therefore blocks until this thread has taken the
+    job, which lets it take the GIL at once; it hands the GIL back as soon as the job enters
+    native code that releases it (xgrammar's and llguidance's fills do). Measured on the CPU
+    machine: the fill starts 0.06 ms after ``submit`` instead of after the caller's Python
+    work (0.9 ms in that test), and ``submit`` costs the caller about 0.09 ms."""
+
+    def __init__(self, name: str) -> None:
+        self._go = threading.Lock()
+        self._go.acquire()
+        self._taken = threading.Lock()
+        self._taken.acquire()
+        self._submit_lock = threading.Lock()  # one hand-over at a time
+        self._job: Optional[tuple[Callable[[], None], "Future[None]"]] = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None]) -> "Future[None]":
+        """Run ``fn`` on the thread; return once it has started (after the job before it)."""
+        fut: "Future[None]" = Future()
+        with self._submit_lock:
+            if self._closed:
+                raise RuntimeError("the fill thread is shut down")
+            self._job = (fn, fut)
+            self._go.release()
+            try:
+                self._taken.acquire()
+            except BaseException:  # a signal's exception: let the hand-over finish first
+                self._taken.acquire()
+                raise
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            self._go.acquire()
+            job, self._job = self._job, None
+            self._taken.release()
+            if job is None:  # shutdown
+                return
+            fn, fut = job
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - the waiter re-raises it
+                fut.set_exception(e)
+            else:
+                fut.set_result(None)
+
+    def shutdown(self) -> None:
+        """Stop the thread after the job it runs, if any (idempotent)."""
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._job = None
+            self._go.release()
+            self._taken.acquire()
+        self._thread.join()
+
+
 # Fewer live rows than this are filled on the engine thread: handing the fill over costs
 # more than a few rows do.
 BACKGROUND_FILL_ROWS = 8
@@ -161,7 +228,7 @@ class StructuredOutputManager:
         # step's rows to the device straight from them.
         self.pin_bitmasks = pin_bitmasks
         # One thread fills step bitmasks in the background (``start_grammar_output``).
-        self._fill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-fill")
+        self._fill_thread = FillThread("tandem-fill")
         self._fill_lock = threading.Lock()
         # Off (no row count qualifies) for an engine whose model runs on the CPU: there the
         # forward's OpenMP team needs every core, and a fill beside it stalls its parallel
@@ -318,4 +385,4 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._fill_thread.shutdown(wait=True)
+        self._fill_thread.shutdown()
