@@ -73,6 +73,9 @@ class _XGrammarCompiled(CompiledGrammar):
 # whole step 8.4 ms against 5.0), and a served engine shares the host with its API servers.
 # The manager runs the call on its fill thread, off the engine thread.
 FILL_THREADS = 1
+# The native batch accept, without the public wrapper's conversion of every result to a
+# Python bool (``XGrammarBackend.accept_tokens``); xgrammar 0.2.x.
+_batch_accept = xgr.matcher._core.BatchGrammarMatcher.batch_accept_token
 
 
 class XGrammarBackend(GrammarBackend):
@@ -84,10 +87,18 @@ class XGrammarBackend(GrammarBackend):
         self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
 
     def accept_tokens(self, matchers: list[Matcher], tokens: list[int]) -> list[bool]:
-        # One call per matcher: xgrammar's batch_accept_token returns an FFI array whose
-        # conversion to Python bools costs more than the calls it saves (0.45 vs 0.28 ms
-        # for 256 matchers on the CPU machine).
-        return [m._m.accept_token(t) for m, t in zip(matchers, tokens)]  # type: ignore[attr-defined]
+        # One native call for the batch. Its result is an FFI array whose conversion to
+        # Python bools costs more than the call saves, so it is searched natively for a
+        # refusal (``0 in``: ArrayContains) and converted only when there is one, which the
+        # bitmask makes rare. 256 matchers on the CPU machine: 0.11 ms, against 0.22 ms for a
+        # call per matcher through xgrammar's wrapper (0.17 ms on its handles).
+        if len(matchers) < 2:
+            return [m._m.accept_token(t) for m, t in zip(matchers, tokens)]  # type: ignore[attr-defined]
+        handles = [m._m._handle for m in matchers]  # type: ignore[attr-defined]
+        result = _batch_accept(handles, tokens, False)
+        if 0 not in result:  # its elements are ints (0 refused, 1 accepted): False would match none
+            return [True] * len(matchers)
+        return [bool(x) for x in result]
 
     def fill_bitmasks(self, matchers: list[Matcher], bitmask: Any, rows: list[int]) -> None:
         if len(matchers) == 1:

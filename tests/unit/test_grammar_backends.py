@@ -126,6 +126,36 @@ def test_step_fill_equals_row_by_row_fill(backend, tokenizer):
     assert torch.equal(one, step) and (step[0::2] == 7).all()
 
 
+def test_step_accept_equals_token_by_token_accept(backend, tokenizer):
+    """``accept_tokens`` (one native call with xgrammar) accepts and refuses exactly what
+    each matcher's ``accept_token`` does, refusals leaving their matchers as they were, for
+    batches with no refusal, one, and only refusals."""
+    so, text = VALID[0]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    compiled = backend.compile(GrammarSpec.of(so))
+    letter = tokenizer.encode("x", add_special_tokens=False)[0]
+
+    def matchers_at(n: int) -> list:
+        out = []
+        for k in range(n):
+            m = compiled.new_matcher()
+            for t in ids[:k % (len(ids) - 1)]:
+                assert m.accept_token(t)
+            out.append(m)
+        return out
+
+    n = 24
+    good = [ids[k % (len(ids) - 1)] for k in range(n)]
+    for tokens in (good, [letter if k == 5 else t for k, t in enumerate(good)], [letter] * n):
+        one, step = matchers_at(n), matchers_at(n)
+        expected = [m.accept_token(t) for m, t in zip(one, tokens)]
+        got = backend.accept_tokens(step, tokens)
+        assert got == expected and all(type(x) is bool for x in got)
+        vocab = len(tokenizer)
+        assert all(torch.equal(allowed(a, vocab), allowed(b, vocab)) for a, b in zip(one, step))
+    assert backend.accept_tokens(matchers_at(1), [letter]) == [False]
+
+
 def test_draft_masks_cover_the_accepted_drafts_and_leave_the_matcher_as_it_was(backend, tokenizer):
     """Speculative decoding: row j is the mask after the first j drafts, up to the first draft
     the grammar refuses (the count returned); the matcher is where it started."""
