@@ -18,7 +18,6 @@ from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.types.engine_output import INVALID_REQUEST
-from tandem.types.grammar import GrammarOutput
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -133,24 +132,26 @@ def test_identical_constraints_compile_once(tiny_llama):
     e.shutdown()
 
 
+def record_calls(monkeypatch, obj, labels: dict) -> list[tuple[str, int]]:
+    """Wrap ``obj``'s methods named in ``labels`` so that each call appends
+    ``labels[name](argument)`` to the returned list before it runs."""
+    calls: list[tuple[str, int]] = []
+    for name, label in labels.items():
+        def wrapped(arg, _orig=getattr(obj, name), _label=label):
+            calls.append(_label(arg))
+            return _orig(arg)
+
+        monkeypatch.setattr(obj, name, wrapped)
+    return calls
+
+
 def test_constrained_step_calls_keep_their_order(tiny_llama, monkeypatch):
     """Async: forward N, sample N, forward N+1, sample N+1 — never a forward between a
     constrained step's two calls — and deferred sampling really happens."""
     e = engine(tiny_llama, True)
-    ex = e.core.executor
-    calls: list[tuple[str, int]] = []
-    orig_exec, orig_sample = ex.execute_model, ex.sample_tokens
-
-    def execute_model(so):
-        calls.append(("forward" if so.grammar_req_ids else "step", so.step_id))
-        return orig_exec(so)
-
-    def sample_tokens(grammar: GrammarOutput):
-        calls.append(("sample", grammar.step_id))
-        return orig_sample(grammar)
-
-    monkeypatch.setattr(ex, "execute_model", execute_model)
-    monkeypatch.setattr(ex, "sample_tokens", sample_tokens)
+    calls = record_calls(monkeypatch, e.core.executor, {
+        "execute_model": lambda so: ("forward" if so.grammar_req_ids else "step", so.step_id),
+        "sample_tokens": lambda grammar: ("sample", grammar.step_id)})
     items = [WorkItem("c", [5, 6, 7], constrained(20)), WorkItem("u", [8, 9], SamplingParams(temperature=0,
                                                                                           max_tokens=20))]
     run_workload(e, items)
@@ -174,24 +175,9 @@ def test_next_step_is_built_before_the_deferred_sampling_call_and_equals_sync(ti
     expected = run_workload(engine(tiny_llama, False, max_num_batched_tokens=12), items).outputs
     e = engine(tiny_llama, True, max_num_batched_tokens=12)
     ex = e.core.executor
-    calls: list[tuple[str, int]] = []
-    orig_prepare, orig_exec, orig_sample = ex.prepare_model, ex.execute_model, ex.sample_tokens
-
-    def prepare_model(so):
-        calls.append(("prepare", so.step_id))
-        return orig_prepare(so)
-
-    def execute_model(so):
-        calls.append(("launch", so.step_id))
-        return orig_exec(so)
-
-    def sample_tokens(grammar: GrammarOutput):
-        calls.append(("sample", grammar.step_id))
-        return orig_sample(grammar)
-
-    monkeypatch.setattr(ex, "prepare_model", prepare_model)
-    monkeypatch.setattr(ex, "execute_model", execute_model)
-    monkeypatch.setattr(ex, "sample_tokens", sample_tokens)
+    calls = record_calls(monkeypatch, ex, {"prepare_model": lambda so: ("prepare", so.step_id),
+                                           "execute_model": lambda so: ("launch", so.step_id),
+                                           "sample_tokens": lambda grammar: ("sample", grammar.step_id)})
     got = run_workload(e, items).outputs
     assert_same(expected, got, items)
     prepared = [sid for kind, sid in calls if kind == "prepare"]
