@@ -23,8 +23,10 @@ import os
 import pstats
 import sys
 import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import SHAPES, build_model, log, prompts_of, run_engine, tandem_llm  # noqa: E402
@@ -32,24 +34,38 @@ from gpu_serve import tokenizer_vocab, use_tokenizer  # noqa: E402
 
 
 def set_fill_threads(llm: Any, threads: str) -> None:
-    """xgrammar's bitmask fill on ``threads`` threads of its own pool (tandem's default: 1)."""
-    import xgrammar as xgr
+    """xgrammar's bitmask fill on ``threads`` threads of its own pool, per native call
+    (tandem's default: 1)."""
+    backend = llm.engine.core.structured._backend
+    backend.native_fill_threads = int(threads)
+    backend._local = threading.local()  # new BatchGrammarMatcher objects with that count
 
-    llm.engine.core.structured._backend._batch = xgr.BatchGrammarMatcher(max_threads=int(threads))
+
+class _PoolFill:
+    """``FillThreads``' interface on a ``ThreadPoolExecutor``: a job waits for the GIL."""
+
+    def __init__(self, num_threads: int) -> None:
+        self.num_threads = num_threads
+        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="tandem-fill-pool")
+
+    def submit(self, fns: list[Callable[[], None]]) -> list[Any]:
+        return [self._pool.submit(fn) for fn in fns]
+
+    def shutdown(self) -> None:
+        self._pool.shutdown()
 
 
-def set_fill_handover(llm: Any, handover: str) -> None:
-    """How a background bitmask fill is handed to its thread: ``handshake`` (tandem's
-    ``FillThread``: the submitter waits until the thread has the job) or ``pool`` (a
-    one-thread ``ThreadPoolExecutor``: the job waits for the GIL), to measure the difference."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tandem.structured_output.manager import FillThread
+def set_fill_handover(llm: Any, handover: str, lanes: int) -> None:
+    """How a background bitmask fill is handed to its threads: ``handshake`` (tandem's
+    ``FillThreads``: the submitter waits until each thread has its job) or ``pool`` (a
+    ``ThreadPoolExecutor``: the job waits for the GIL), to measure the difference; on
+    ``lanes`` threads, each a share of the rows (tandem's default: ``FILL_THREADS``)."""
+    from tandem.structured_output.manager import FillThreads
 
     so = llm.engine.core.structured
-    so._fill_thread.shutdown()
-    so._fill_thread = (FillThread("tandem-fill") if handover == "handshake"
-                       else ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-fill-pool"))
+    so._wait_fills()
+    so._fill_threads.shutdown()
+    so._fill_threads = FillThreads("tandem-fill", lanes) if handover == "handshake" else _PoolFill(lanes)
 
 
 class SectionTimers:
@@ -73,8 +89,11 @@ class SectionTimers:
         self.wrap(core.executor, "prepare_model", "executor.prepare_model (inputs built ahead)")
         self.wrap(core.executor, "execute_model", "executor.execute_model")
         self.wrap(core.executor, "sample_tokens", "executor.sample_tokens")
-        if core.structured._backend is not None:
-            self.wrap(core.structured._backend, "fill_bitmasks", "backend.fill_bitmasks (on the fill thread)")
+        if core.structured._backend is not None:  # one call per fill thread's share of a step
+            self.wrap(core.structured._backend, "fill_bitmasks", "backend.fill_bitmasks (a share, on a fill thread)")
+        from tandem.structured_output.manager import PendingGrammarOutput
+
+        self.wrap(PendingGrammarOutput, "result", "PendingGrammarOutput.result (wait for the fill)")
         # Inside sample_tokens (the uniproc executor's runner, in this process; a multiproc
         # worker's runner is in its own process, out of reach).
         import tandem.worker.model_runner as mr
@@ -129,7 +148,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--backend", default="xgrammar")
     ap.add_argument("--cprofile", action="store_true", help="cProfile steady steps of the constrained runs")
-    ap.add_argument("--fill-threads", default="", help="comma list of xgrammar fill thread counts to compare")
+    ap.add_argument("--fill-threads", default="", help="comma list of xgrammar's own thread counts per native "
+                    "fill call to compare")
+    ap.add_argument("--fill-lanes", default="", help="comma list of background fill thread counts to compare "
+                    "(tandem's FILL_THREADS: each fills a share of the rows in a native call of its own)")
     ap.add_argument("--timers", action="store_true", help="time the step's sections (wrapped methods)")
     ap.add_argument("--trace-dir", default=None, help="write each share's torch.profiler trace (Chrome JSON) here")
     ap.add_argument("--prepare-ahead", default="on", help="comma list of on/off: build the next step's inputs "
@@ -159,13 +181,17 @@ def main() -> int:
         run_engine(llm, prompts_of(16, 128, vocab, seed=7), [constrained] * 8 + [plain] * 8)  # compile, warm
         timers = SectionTimers(llm) if args.timers else None
         base = None
-        configs = [(t, ahead, hand, float(r)) for t in (args.fill_threads.split(",") if args.fill_threads else [""])
+        from tandem.structured_output.manager import FILL_THREADS
+
+        configs = [(t, int(lanes), ahead, hand, float(r))
+                   for t in (args.fill_threads.split(",") if args.fill_threads else [""])
+                   for lanes in (args.fill_lanes.split(",") if args.fill_lanes else [FILL_THREADS])
                    for ahead in args.prepare_ahead.split(",") for hand in args.fill_handover.split(",")
                    for r in args.ratios.split(",")]
-        for k, (threads, ahead, handover, ratio) in enumerate(configs):
+        for k, (threads, lanes, ahead, handover, ratio) in enumerate(configs):
             if threads:  # xgrammar's fill threads (the backend's default: 1)
                 set_fill_threads(llm, threads)
-            set_fill_handover(llm, handover)
+            set_fill_handover(llm, handover, lanes)
             llm.engine.core.prepare_ahead = ahead == "on"
             n = round(ratio * 256)
             sps = [constrained] * n + [plain] * (256 - n)
@@ -181,8 +207,9 @@ def main() -> int:
                     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
                     print(f"--- cProfile, ratio {ratio}, steps 40..100 ---\n{s.getvalue()}", flush=True)
             best = max(runs, key=lambda x: x["tok_per_s"])
-            label = f"fill threads {threads or 'default'}, prepare ahead {ahead}, {handover} hand-over, ratio {ratio}"
-            row = {"ratio": ratio, "fill_threads": threads or "default", "prepare_ahead": ahead,
+            label = (f"fill threads {threads or 'default'}, {lanes} fill lanes, prepare ahead {ahead}, {handover} "
+                     f"hand-over, ratio {ratio}")
+            row = {"ratio": ratio, "fill_threads": threads or "default", "fill_lanes": lanes, "prepare_ahead": ahead,
                    "fill_handover": handover,
                    "tok_per_s": best["tok_per_s"],
                    "all_tok_per_s": [x["tok_per_s"] for x in runs], "ms_per_step": best["ms_per_step"],

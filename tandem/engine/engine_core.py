@@ -305,8 +305,7 @@ class EngineCore:
             requests = self.scheduler.step_requests(so.step_id, so.grammar_req_ids)
             if drafts:  # speculative decoding: rows over the drafts, filled here
                 step.grammar = PendingGrammarOutput(self.structured.grammar_output(
-                    so.step_id, so.grammar_req_ids, requests, [drafts.get(rid, 0) for rid in so.grammar_req_ids]),
-                    None)
+                    so.step_id, so.grammar_req_ids, requests, [drafts.get(rid, 0) for rid in so.grammar_req_ids]))
             else:
                 step.grammar = self.structured.start_grammar_output(so.step_id, so.grammar_req_ids, requests,
                                                                     background)

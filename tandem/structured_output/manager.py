@@ -10,13 +10,14 @@
   compiler's message, marked as the request's fault.
 * Each received token advances the request's matcher (``accept_token``, from the
   scheduler); ``grammar_output`` fills one bitmask row per constrained request of a step.
-* ``start_grammar_output`` fills a step's bitmask on a thread of its own (the fill runs in
-  the backend's native code, without the GIL), so the engine thread goes on with the rest
-  of its step meanwhile; ``PendingGrammarOutput.result()`` waits for it. The hand-over is a
-  handshake (``FillThread``): a thread merely woken would wait for the GIL until the engine
-  thread's pure-Python work paused, i.e. until it waited for the fill. While a fill runs
-  no other call may touch those matchers: the engine samples the step (which waits for the
-  fill) before it applies the step's tokens, and ``explain_refusal`` takes the fill lock.
+* ``start_grammar_output`` fills a step's bitmask on threads of its own, each a share of
+  the rows (the fill runs in the backend's native code, without the GIL, so the shares run
+  in parallel), and the engine thread goes on with the rest of its step meanwhile;
+  ``PendingGrammarOutput.result()`` waits for them. The hand-over is a handshake
+  (``FillThreads``): a thread merely woken would wait for the GIL until the engine thread's
+  pure-Python work paused, i.e. until it waited for the fill. While a fill runs no other
+  call may touch those matchers: the engine samples the step (which waits for the fill)
+  before it applies the step's tokens, and ``explain_refusal`` waits for the fill first.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 from tandem.sampling_params import StructuredOutputsParams
 from tandem.structured_output.backend import (CompiledGrammar, GrammarBackend, GrammarBackendError,
@@ -46,16 +48,16 @@ class RequestGrammarState:
     thread only (the compilation future is the one thing another thread touches).
     """
 
-    __slots__ = ("_future", "_bitmask_words", "_stop_token_ids", "_fill_lock", "matcher", "terminated", "_error",
+    __slots__ = ("_future", "_bitmask_words", "_stop_token_ids", "_wait_fills", "matcher", "terminated", "_error",
                  "error_is_request_fault")
 
     def __init__(self, future: "Future[CompiledGrammar]", bitmask_words: int, stop_token_ids: frozenset[int],
-                 fill_lock: Optional[threading.Lock] = None) -> None:
+                 wait_fills: Optional[Callable[[], None]] = None) -> None:
         self._future = future
         self._bitmask_words = bitmask_words
         self._stop_token_ids = stop_token_ids
-        # Held by the manager's fill thread while it fills a step's bitmask.
-        self._fill_lock = fill_lock or threading.Lock()
+        # Returns once no background fill (which may read this matcher) is running.
+        self._wait_fills = wait_fills or (lambda: None)
         self.matcher: Optional[Matcher] = None
         # The matcher's is_terminated, kept here: it changes only when a stop token is
         # accepted, and the step loop asks for every constrained request at every step.
@@ -107,8 +109,8 @@ class RequestGrammarState:
 
         assert self.matcher is not None
         row = torch.zeros((1, self._bitmask_words), dtype=torch.int32)
-        with self._fill_lock:  # a background fill may be reading this matcher
-            self.matcher.fill_bitmask(row, 0)
+        self._wait_fills()  # a background fill may be reading this matcher
+        self.matcher.fill_bitmask(row, 0)
         bits = ((row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).reshape(-1)
         allowed = int(bits.sum())
         if allowed == 0:
@@ -121,64 +123,51 @@ class RequestGrammarState:
 
 
 class PendingGrammarOutput:
-    """A step's ``GrammarOutput`` whose bitmask may still be filling on the fill thread."""
+    """A step's ``GrammarOutput`` whose bitmask may still be filling on the fill threads."""
 
-    __slots__ = ("_output", "_fill")
+    __slots__ = ("_output", "_fills")
 
-    def __init__(self, output: GrammarOutput, fill: Optional["Future[None]"]) -> None:
+    def __init__(self, output: GrammarOutput, fills: Sequence["Future[None]"] = ()) -> None:
         self._output = output
-        self._fill = fill
+        self._fills = fills
 
     def result(self) -> GrammarOutput:
-        """The output once its bitmask is filled (re-raises the fill's error)."""
-        if self._fill is not None:
-            self._fill.result()
+        """The output once its bitmask is filled (re-raises a fill's error, once all ended)."""
+        wait_all(self._fills)
         return self._output
 
 
-class FillThread:
-    """One thread that runs a job (a step's bitmask fill) as soon as it is handed over.
+def wait_all(futures: Sequence["Future[None]"]) -> None:
+    """Wait for every future, then re-raise the first error: none may still be running
+    (reading matchers) when the caller goes on."""
+    error: Optional[BaseException] = None
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            error = error or e
+    if error is not None:
+        raise error
 
-    A pool thread woken by ``submit`` needs the GIL before it can run, and the engine
-    thread, busy with pure-Python scheduling and bookkeeping, gives it up only every switch
-    interval (5 ms) or when it blocks: the fill then started late, often when the engine
-    thread came to wait for it. ``submit`` therefore blocks until this thread has taken the
-    job, which lets it take the GIL at once; it hands the GIL back as soon as the job enters
-    native code that releases it (xgrammar's and llguidance's fills do). Measured on the CPU
-    machine: the fill starts 0.06 ms after ``submit`` instead of after the caller's Python
-    work (0.9 ms in that test), and ``submit`` costs the caller about 0.09 ms."""
+
+class _Lane:
+    """One thread of ``FillThreads`` and its hand-over locks (``go``: a job is there;
+    ``taken``: the thread has it)."""
 
     def __init__(self, name: str) -> None:
-        self._go = threading.Lock()
-        self._go.acquire()
-        self._taken = threading.Lock()
-        self._taken.acquire()
-        self._submit_lock = threading.Lock()  # one hand-over at a time
-        self._job: Optional[tuple[Callable[[], None], "Future[None]"]] = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], None]) -> "Future[None]":
-        """Run ``fn`` on the thread; return once it has started (after the job before it)."""
-        fut: "Future[None]" = Future()
-        with self._submit_lock:
-            if self._closed:
-                raise RuntimeError("the fill thread is shut down")
-            self._job = (fn, fut)
-            self._go.release()
-            try:
-                self._taken.acquire()
-            except BaseException:  # a signal's exception: let the hand-over finish first
-                self._taken.acquire()
-                raise
-        return fut
+        self.go = threading.Lock()
+        self.go.acquire()
+        self.taken = threading.Lock()
+        self.taken.acquire()
+        self.job: Optional[tuple[Callable[[], None], "Future[None]"]] = None
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
         while True:
-            self._go.acquire()
-            job, self._job = self._job, None
-            self._taken.release()
+            self.go.acquire()
+            job, self.job = self.job, None
+            self.taken.release()
             if job is None:  # shutdown
                 return
             fn, fut = job
@@ -189,27 +178,77 @@ class FillThread:
             else:
                 fut.set_result(None)
 
+
+class FillThreads:
+    """Threads that each run a job (a share of a step's bitmask fill) as soon as it is
+    handed over.
+
+    A pool thread woken by ``submit`` needs the GIL before it can run, and the engine
+    thread, busy with pure-Python scheduling and bookkeeping, gives it up only every switch
+    interval (5 ms) or when it blocks: the fill then started late, often when the engine
+    thread came to wait for it. ``submit`` therefore blocks until every thread it handed a
+    job to has taken it, which lets them take the GIL at once; each hands the GIL back as
+    soon as its job enters native code that releases it (xgrammar's and llguidance's fills
+    do), so the jobs then run in parallel. Measured on the CPU machine: the fill starts
+    0.06 ms after ``submit`` instead of after the caller's Python work (0.9 ms in that
+    test), and ``submit`` costs the caller about 0.09 ms. The threads start on first use."""
+
+    def __init__(self, name: str, num_threads: int = 1) -> None:
+        self.name = name
+        self.num_threads = num_threads
+        self._lanes: list[_Lane] = []
+        self._submit_lock = threading.Lock()  # one hand-over at a time
+        self._closed = False
+
+    def submit(self, fns: Sequence[Callable[[], None]]) -> list["Future[None]"]:
+        """Run ``fns[i]`` on thread ``i`` (at most ``num_threads``); return their futures
+        once each has started (after the job before it on its thread)."""
+        assert 0 < len(fns) <= self.num_threads, f"{len(fns)} jobs for {self.num_threads} fill threads"
+        futs: list["Future[None]"] = [Future() for _ in fns]
+        with self._submit_lock:
+            if self._closed:
+                raise RuntimeError("the fill threads are shut down")
+            while len(self._lanes) < len(fns):
+                self._lanes.append(_Lane(f"{self.name}-{len(self._lanes)}"))
+            lanes = self._lanes[:len(fns)]
+            for lane, fn, fut in zip(lanes, fns, futs):
+                lane.job = (fn, fut)
+                lane.go.release()
+            for lane in lanes:
+                try:
+                    lane.taken.acquire()
+                except BaseException:  # a signal's exception: let the hand-over finish first
+                    lane.taken.acquire()
+                    raise
+        return futs
+
     def shutdown(self) -> None:
-        """Stop the thread after the job it runs, if any (idempotent)."""
+        """Stop the threads after the jobs they run, if any (idempotent)."""
         with self._submit_lock:
             if self._closed:
                 return
             self._closed = True
-            self._job = None
-            self._go.release()
-            self._taken.acquire()
-        self._thread.join()
+            for lane in self._lanes:
+                lane.job = None
+                lane.go.release()
+                lane.taken.acquire()
+        for lane in self._lanes:
+            lane.thread.join()
 
 
 # Fewer live rows than this are filled on the engine thread: handing the fill over costs
 # more than a few rows do.
 BACKGROUND_FILL_ROWS = 8
+# Background fill threads, each filling a contiguous share of a step's rows (at least
+# MIN_ROWS_PER_FILL_THREAD rows a share). TODO measured figure.
+FILL_THREADS = 2
+MIN_ROWS_PER_FILL_THREAD = 32
 
 
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: str, vocab_size: int, stop_token_ids: list[int],
                  max_workers: Optional[int] = None, cache_size: int = 256, pin_bitmasks: bool = False,
-                 background_fills: bool = True) -> None:
+                 background_fills: bool = True, fill_threads: int = 0) -> None:
         self.backend_name = backend
         self.tokenizer_path = tokenizer
         self.vocab_size = vocab_size
@@ -227,14 +266,17 @@ class StructuredOutputManager:
         # Page-locked bitmask buffers (a CUDA worker in this process): the worker copies a
         # step's rows to the device straight from them.
         self.pin_bitmasks = pin_bitmasks
-        # One thread fills step bitmasks in the background (``start_grammar_output``).
-        self._fill_thread = FillThread("tandem-fill")
-        self._fill_lock = threading.Lock()
+        # Threads that fill step bitmasks in the background (``start_grammar_output``), each
+        # a share of the rows; the fills of the step in flight, if any.
+        self._fill_threads = FillThreads("tandem-fill", fill_threads or FILL_THREADS)
+        self._fills: Sequence["Future[None]"] = ()
         # Off (no row count qualifies) for an engine whose model runs on the CPU: there the
         # forward's OpenMP team needs every core, and a fill beside it stalls its parallel
         # regions (host_step.py on the 2-core machine: +0.2-0.9 ms a step with the fill thread).
         self.background_fill_rows = BACKGROUND_FILL_ROWS if background_fills else 1 << 62
+        self.min_rows_per_fill_thread = MIN_ROWS_PER_FILL_THREAD
         self.num_background_fills = 0
+        self.num_shared_fills = 0  # background fills spread over more than one thread
 
     # -- compilation -------------------------------------------------------------------------
     def grammar_for(self, params: StructuredOutputsParams) -> RequestGrammarState:
@@ -249,7 +291,7 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(spec)
-        return RequestGrammarState(fut, self.bitmask_words, self.stop_token_ids, self._fill_lock)
+        return RequestGrammarState(fut, self.bitmask_words, self.stop_token_ids, self._wait_fills)
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         return self._get_backend().compile(spec)
@@ -332,20 +374,29 @@ class StructuredOutputManager:
         bitmask = self._bitmask_buffer(len(matchers))
         out = GrammarOutput(step_id, live_ids, bitmask)
         if not matchers:
-            return PendingGrammarOutput(out, None)
+            return PendingGrammarOutput(out)
         backend = self._backend
         assert backend is not None  # a matcher exists, so its backend does
-        rows = list(range(len(matchers)))
-        if not background or len(matchers) < self.background_fill_rows:
-            backend.fill_bitmasks(matchers, bitmask, rows)
-            return PendingGrammarOutput(out, None)
+        n = len(matchers)
+        if not background or n < self.background_fill_rows:
+            backend.fill_bitmasks(matchers, bitmask, list(range(n)))
+            return PendingGrammarOutput(out)
         self.num_background_fills += 1
+        # Contiguous shares of the rows, one per thread (each a native call of its own).
+        shares = max(1, min(self._fill_threads.num_threads, n // self.min_rows_per_fill_thread))
+        self.num_shared_fills += shares > 1
+        bounds = [n * i // shares for i in range(shares + 1)]
+        self._wait_fills()  # the previous step's: sampled before this one started, so done
+        self._fills = self._fill_threads.submit(
+            [partial(backend.fill_bitmasks, matchers[a:b], bitmask, list(range(a, b)))
+             for a, b in zip(bounds, bounds[1:])])
+        return PendingGrammarOutput(out, self._fills)
 
-        def fill() -> None:
-            with self._fill_lock:
-                backend.fill_bitmasks(matchers, bitmask, rows)
-
-        return PendingGrammarOutput(out, self._fill_thread.submit(fill))
+    def _wait_fills(self) -> None:
+        """Return once no background fill runs (errors are the step's, not the caller's)."""
+        if self._fills:
+            wait(self._fills)
+            self._fills = ()
 
     def _bitmask_buffer(self, rows: int) -> "torch.Tensor":
         """``[rows, words]`` int32, from one of two buffers used in turn and kept (a fresh
@@ -385,4 +436,4 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._fill_thread.shutdown()
+        self._fill_threads.shutdown()

@@ -2,6 +2,7 @@
 precomputed per grammar state, a C++ matcher per request."""
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import xgrammar as xgr
@@ -67,12 +68,13 @@ class _XGrammarCompiled(CompiledGrammar):
         return _XGrammarMatcher(self._compiled)
 
 
-# A step's bitmask is filled by one native call on one thread. xgrammar's own thread pool
-# ("auto": half the cores) made every section of the engine's step slower on a 16-core GPU
-# host (H100, 256 constrained rows: fill 2.7 ms on 8 threads against 1.05 ms on one, the
-# whole step 8.4 ms against 5.0), and a served engine shares the host with its API servers.
-# The manager runs the call on its fill thread, off the engine thread.
-FILL_THREADS = 1
+# A share of a step's bitmask is filled by one native call on the calling thread. xgrammar's
+# own thread pool ("auto": half the cores) made every section of the engine's step slower
+# on a 16-core GPU host (H100, 256 constrained rows: fill 2.7 ms on 8 threads against
+# 1.05 ms on one, the whole step 8.4 ms against 5.0), and a served engine shares the host
+# with its API servers. The manager runs the calls on its fill threads, off the engine
+# thread, a share of the rows each.
+NATIVE_FILL_THREADS = 1
 # The native batch accept, without the public wrapper's conversion of every result to a
 # Python bool (``XGrammarBackend.accept_tokens``); xgrammar 0.2.x.
 _batch_accept = xgr.matcher._core.BatchGrammarMatcher.batch_accept_token
@@ -84,7 +86,8 @@ class XGrammarBackend(GrammarBackend):
         # tandem keeps its own cache of compiled grammars (by constraint); xgrammar's would
         # only hold the same ones a second time.
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
-        self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
+        self.native_fill_threads = NATIVE_FILL_THREADS
+        self._local = threading.local()  # a BatchGrammarMatcher per fill thread
 
     def accept_tokens(self, matchers: list[Matcher], tokens: list[int]) -> list[bool]:
         # One native call for the batch. Its result is an FFI array whose conversion to
@@ -104,8 +107,10 @@ class XGrammarBackend(GrammarBackend):
         if len(matchers) == 1:
             super().fill_bitmasks(matchers, bitmask, rows)
             return
-        self._batch.batch_fill_next_token_bitmask([m._m for m in matchers],  # type: ignore[attr-defined]
-                                                  bitmask, rows)
+        batch = getattr(self._local, "batch", None)
+        if batch is None:
+            batch = self._local.batch = xgr.BatchGrammarMatcher(max_threads=self.native_fill_threads)
+        batch.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, rows)  # type: ignore[attr-defined]
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         c = self._compiler

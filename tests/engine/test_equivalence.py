@@ -65,20 +65,24 @@ def test_constrained_workload_async_equals_sync(engines, setting, seed):
     unconstrained ones, with preemption and chunked prefill in the crossed settings): async
     equals sync token for token, every finished constrained output matches its constraint,
     and async really deferred sampling behind an in-flight step, with its bitmasks filled
-    on the manager's fill thread while the engine thread went on (every fill of one row or
-    more here; a served engine hands over fills of ``BACKGROUND_FILL_ROWS`` rows or more)."""
+    on the manager's fill threads while the engine thread went on (every fill of one row or
+    more here, shared among the threads from two rows; a served engine hands over fills of
+    ``BACKGROUND_FILL_ROWS`` rows or more, shared from ``MIN_ROWS_PER_FILL_THREAD`` a thread)."""
     items = random_workload(seed * 104729 + 7, VOCAB, n_reqs=14, constrained=0.5)
     assert sum(w.pattern is not None for w in items) >= 3
     sync = run_workload(engines(setting, False), items)
     e = engines(setting, True)
     e.core.structured.background_fill_rows = 1
+    e.core.structured.min_rows_per_fill_thread = 1
     deferred = e.core.stats.num_sampling_deferred
     background = e.core.structured.num_background_fills
+    shared = e.core.structured.num_shared_fills
     asyn = run_workload(e, items)
     assert_same(sync.outputs, asyn.outputs, items)
     assert_follow_constraints(sync.outputs, items)
     assert e.core.stats.num_sampling_deferred > deferred
     assert e.core.structured.num_background_fills > background
+    assert e.core.structured.num_shared_fills > shared
 
 
 @pytest.mark.timeout(120)
