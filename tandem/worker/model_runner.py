@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from tandem.config.speculative import SpeculativeConfig
-from tandem.distributed import get_tp_rank, tp_broadcast
+from tandem.distributed import get_tp_rank, get_tp_world_size, tp_broadcast
 from tandem.kernels.splits import MIN_SPLIT_TOKENS, choose_num_kv_splits, decode_split_counts
 from tandem.layers.attention import AttentionMetadata, set_forward_context
 from tandem.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, apply_token_bitmask, gather_logprobs
@@ -98,6 +98,7 @@ class LaunchedForward:
     dest: torch.Tensor  # flat token-table index each sampled id is written to
     prompt_logprobs: dict[str, LogprobsTensors]
     spec: Optional[VerifyInputs] = None  # speculative decoding: verify and propose after sampling
+    masked_graph: Optional[tuple[torch.cuda.CUDAGraph, torch.Tensor, int]] = None  # (graph, ids, size): see _sample
     spec_rows: Optional[np.ndarray] = None  # rows (1 + k) of each sampling request, when it verified drafts
     row_counts: Optional[np.ndarray] = None  # the same whenever speculation is on (bitmask layout)
 
@@ -177,11 +178,18 @@ class ModelRunner:
         # Verify graphs (speculative decoding), keyed like ``graphs``: (bucket, split-KV count).
         self.verify_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.spec_graph_limit = 64  # largest batch a verify graph is captured for
+        # Masked greedy sampling graphs, keyed like ``graphs``: a constrained decode step's
+        # sampling (scatter the bitmask rows, mask, argmax, token-table write) in one replay
+        # after its decode graph's; ``sample_tokens`` then costs two copies and a launch.
+        self.masked_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.masked_eager_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by bucket
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.num_kv_heads = 1
         # Shortest key chunk of a split-KV decode: contexts under twice this take one split.
         self.min_split_tokens = MIN_SPLIT_TOKENS
+        self.stats_steps = 0  # steps launched
         self.stats_graph_steps = 0
+        self.stats_masked_graph_steps = 0  # constrained steps sampled by a masked sampling graph
         self.stats_prepared_steps = 0  # steps launched from inputs ``prepare`` built ahead
         self._pending: Optional[LaunchedForward] = None  # a constrained step's forward, until sampled
         # (step id, inputs built ahead by ``prepare``, or the error building them raised)
@@ -448,6 +456,8 @@ class ModelRunner:
                     self.graph_sizes, {s: self._split_variants(s) for s in self.graph_sizes})
         if self.spec is not None:
             self._capture_verify_graphs(pool)
+        if get_tp_world_size() == 1:  # (with tensor parallelism rank 0 samples and broadcasts)
+            self._capture_masked_graphs(pool)
 
     def _capture(self, size: int, q: int, body: Callable[[BatchSegments], tuple[torch.Tensor, ...]],
                  pool: Any) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
@@ -472,6 +482,69 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=pool):
             outputs = body(segs)
         return graph, outputs
+
+    # -- CUDA graphs of masked greedy sampling (structured outputs; GPU-only, see tests/gpu) --
+    def _masked_graph_body(self, segs: BatchSegments, logits: torch.Tensor,
+                           dest: Optional[torch.Tensor] = None) -> tuple[torch.Tensor]:
+        """Sample ``logits`` ([size, V]) greedily under the staged bitmask
+        (``BitmaskStager.stage_for_graph``): scatter its rows by sampled row over all-ones
+        rows, mask, argmax, and write the ids into the token table at ``dest`` (None: the
+        decode graph's destinations, where it wrote its unmasked choice). The same
+        operations as the eager path, so the same ids."""
+        from tandem.kernels.bitmask import apply_token_bitmask_triton
+
+        size = logits.shape[0]
+        src, idx, by_row = self.bitmasks.graph_buffers()
+        by_row[:size].fill_(-1)
+        by_row.index_copy_(0, idx[:size], src[:size])
+        apply_token_bitmask_triton(logits, by_row[:size])
+        ids = logits.argmax(dim=-1)
+        self.batch.token_table.view(-1).index_copy_(0, self.staging.view(segs.dest) if dest is None else dest, ids)
+        return (ids,)
+
+    def _capture_masked_graphs(self, pool: Any) -> None:
+        """One masked sampling graph per decode graph (it reads that graph's logits), and
+        one per bucket for eager steps (mixed prefill and decode: ``_launch`` copies their
+        logits and destinations into ``_mask_logits`` / ``_mask_dest`` first). A capture
+        that fails leaves constrained steps' sampling eager."""
+        self.bitmasks.allocate(-(-self.vocab_size // 32))
+        largest = self.graph_sizes[-1]
+        logits_of = next(iter(self.graphs.values()))[1][1]
+        self._mask_logits = torch.empty((largest, logits_of.shape[1]), dtype=logits_of.dtype, device=self.device)
+        self._mask_dest = torch.full((largest,), self.batch.scratch_row * self.batch.width, dtype=torch.int64,
+                                     device=self.device)
+        try:
+            for (size, splits), (_, (_, logits, _)) in self.graphs.items():
+                graph, (ids,) = self._capture(size, 1, partial(self._masked_graph_body, logits=logits), pool)
+                pool = graph.pool()
+                self.masked_graphs[(size, splits)] = (graph, ids)
+            for size in reversed(self.graph_sizes):
+                body = partial(self._masked_graph_body, logits=self._mask_logits[:size], dest=self._mask_dest[:size])
+                graph, (ids,) = self._capture(size, 1, body, pool)
+                pool = graph.pool()
+                self.masked_eager_graphs[size] = (graph, ids)
+            torch.cuda.synchronize(self.device)
+        except Exception as e:  # never fail start-up for an optimization
+            logger.warning("constrained steps sample eagerly: capturing their CUDA graphs failed (%s)", e)
+            self.masked_graphs.clear()
+            self.masked_eager_graphs.clear()
+            return
+        logger.info("captured %d masked sampling CUDA graphs", len(self.masked_graphs) + len(self.masked_eager_graphs))
+
+    def _masked_eager(self, logits: torch.Tensor, dest: torch.Tensor
+                      ) -> Optional[tuple[torch.cuda.CUDAGraph, torch.Tensor, int]]:
+        """An eager step's masked sampling graph, its inputs copied to where it reads them
+        (destinations past the step's rows: the scratch row), or None past the largest bucket."""
+        n = logits.shape[0]
+        if not self.masked_eager_graphs or n > self.graph_sizes[-1]:
+            return None
+        size = self._bucket(n)
+        self._mask_logits[:n].copy_(logits)
+        self._mask_dest[:n].copy_(dest)
+        if size > n:
+            self._mask_dest[n:size].fill_(self.batch.scratch_row * self.batch.width)
+        graph, ids = self.masked_eager_graphs[size]
+        return graph, ids, size
 
     # -- CUDA graphs of verify steps (speculative decoding; GPU-only, see tests/gpu) ----------
     def _verify_graph_body(self, segs: BatchSegments, num_kv_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -602,6 +675,7 @@ class ModelRunner:
         assert logits_rows is not None and sample_dest is not None and sampling is not None  # a step was scheduled
         sb = self.staging
         sb.upload()
+        self.stats_steps += 1
 
         self._apply_table_writes(writes)
         verify: Optional[VerifyInputs] = None
@@ -650,7 +724,14 @@ class ModelRunner:
         else:
             h = hidden[:n] if all_rows else hidden[sb.view(logits_rows)]
             logits = self.model.compute_logits(h)  # every rank: the LM head gathers
-        forward = LaunchedForward(so.step_id, req_ids, logits, sampling, dest, prompt_out, verify,
+        masked = None
+        if plain_greedy and so.grammar_req_ids and verify is None:  # (no masked graphs under TP)
+            if graph_size is not None and all_rows:
+                graph_entry = self.masked_graphs.get((graph_size, splits))
+                masked = (*graph_entry, graph_size) if graph_entry is not None else None
+            elif graph_size is None:
+                masked = self._masked_eager(logits, dest)
+        forward = LaunchedForward(so.step_id, req_ids, logits, sampling, dest, prompt_out, verify, masked,
                                   layout.num_rows if layout is not None and layout.num_drafts else None,
                                   layout.num_rows if layout is not None else None)
         if so.grammar_req_ids:
@@ -673,6 +754,14 @@ class ModelRunner:
         """Rank 0 masks (constrained steps) and samples; every rank gets the ids and writes
         them into its token table."""
         logprobs: Optional[LogprobsTensors] = None
+        if grammar is not None and fw.masked_graph is not None:  # a greedy decode step: one replay
+            graph, ids, size = fw.masked_graph
+            rows = self._bitmask_row_list(grammar, fw.req_ids)
+            self.bitmasks.stage_for_graph(grammar.bitmask, rows, size)
+            graph.replay()
+            self.stats_masked_graph_steps += 1
+            return AsyncModelOutput(fw.step_id, fw.req_ids, ids[:len(fw.req_ids)], None, fw.prompt_logprobs,
+                                    self.copy_stream, self.host_ring)
         verify = fw.spec
         mask = None
         if grammar is not None and fw.row_counts is not None:  # every rank: the cut is part of verification
@@ -740,13 +829,18 @@ class ModelRunner:
                       ) -> tuple[torch.Tensor, Optional[torch.Tensor | list[int]]]:
         """The bitmask by sampled row on the device, and the rows it constrains (None: all);
         only the constrained rows are copied."""
+        return self.bitmasks.stage_rows(grammar.bitmask, self._bitmask_row_list(grammar, req_ids), len(req_ids))
+
+    @staticmethod
+    def _bitmask_row_list(grammar: GrammarOutput, req_ids: list[str]) -> Optional[list[int]]:
+        """The sampled row of each bitmask row (None: every row, in order)."""
         if grammar.req_ids == req_ids:  # every sampled row constrained, in order (no index to build)
-            return self.bitmasks.stage_rows(grammar.bitmask, None, len(req_ids))
+            return None
         pos = {rid: k for k, rid in enumerate(req_ids)}
         missing = [rid for rid in grammar.req_ids if rid not in pos]
         if missing:
             raise RuntimeError(f"step {grammar.step_id}: bitmask rows for requests that do not sample: {missing}")
-        return self.bitmasks.stage_rows(grammar.bitmask, [pos[rid] for rid in grammar.req_ids], len(req_ids))
+        return [pos[rid] for rid in grammar.req_ids]
 
     # -- 4. sampling inputs ----------------------------------------------------------------
     def _stage_sampling(self, plan: StepPlan, sample_idx: np.ndarray,

@@ -162,20 +162,50 @@ class BitmaskStager:
         by_row.index_copy_(0, dev_idx, dev)
         return by_row, dev_idx
 
+    def allocate(self, words: int) -> None:
+        """The buffers for rows of ``words`` words (kept while the width stays: the masked
+        sampling graphs read the device ones). The index buffer starts at the scratch row
+        (``max_rows``) so that a graph's warm-up reads valid indices."""
+        if self._hosts and self._hosts[0].shape[1] == words:
+            return
+        self._hosts = [torch.empty((self.max_rows, words), dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self._host_idx = [torch.empty(self.max_rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._device_buf = torch.empty((self.max_rows, words), dtype=torch.int32, device=self.device)
+        self._device_idx = torch.full((self.max_rows,), self.max_rows, dtype=torch.int64, device=self.device)
+        self._device_by_row = torch.empty((self.max_rows + 1, words), dtype=torch.int32, device=self.device)
+
     def _pinned(self, words: int) -> torch.Tensor:
         """The next pinned buffer, once the copy that last read it is done (buffers are
         (re)allocated for a new row width)."""
-        if not self._hosts or self._hosts[0].shape[1] != words:
-            self._hosts = [torch.empty((self.max_rows, words), dtype=torch.int32, pin_memory=True) for _ in range(2)]
-            self._host_idx = [torch.empty(self.max_rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-            self._device_buf = torch.empty((self.max_rows, words), dtype=torch.int32, device=self.device)
-            self._device_idx = torch.empty(self.max_rows, dtype=torch.int64, device=self.device)
-            self._device_by_row = torch.empty((self.max_rows, words), dtype=torch.int32, device=self.device)
+        self.allocate(words)
         self._cur ^= 1
         ev = self._events[self._cur]
         if ev is not None and not ev.query():
             ev.synchronize()  # the copy that last read this pinned buffer is not done yet
         return self._hosts[self._cur]
+
+    # -- the masked sampling graphs' inputs (CUDA) ---------------------------------------
+    def graph_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows ``[max_rows, words]``, their sampled rows ``[max_rows]``, the mask by
+        sampled row ``[max_rows + 1, words]``, the last a scratch row): what a masked
+        sampling graph reads, at fixed addresses (``allocate`` first)."""
+        assert self._device_buf is not None and self._device_idx is not None and self._device_by_row is not None
+        return self._device_buf, self._device_idx, self._device_by_row
+
+    def stage_for_graph(self, bitmask: torch.Tensor, rows: Optional[list[int]], size: int) -> None:
+        """Copy a step's bitmask rows and their sampled rows (``rows``; None: ``0..k-1``)
+        into ``graph_buffers`` for a graph of ``size`` rows: index entries ``k..size-1``
+        point at the scratch row, so the graph's scatter leaves the other rows unmasked."""
+        k, words = bitmask.shape
+        host = self._pinned_source(bitmask, self._pinned(words)[:k])
+        idx = self._host_idx[self._cur].numpy()
+        idx[:k] = np.arange(k) if rows is None else rows
+        idx[k:size] = self.max_rows
+        src, dev_idx, _ = self.graph_buffers()
+        if k:
+            src[:k].copy_(host, non_blocking=True)
+        dev_idx[:size].copy_(self._host_idx[self._cur][:size], non_blocking=True)
+        self._record()
 
     @staticmethod
     def _pinned_source(bitmask: torch.Tensor, host: torch.Tensor) -> torch.Tensor:

@@ -157,6 +157,11 @@ class Worker:
         from tandem.distributed import destroy_tensor_parallel
 
         destroy_tensor_parallel()
+        runner = getattr(self, "runner", None)
+        if runner is not None and runner.stats_steps:
+            logger.info("model runner: %d steps, %d through CUDA graphs; %d constrained steps sampled by a masked "
+                        "sampling graph", runner.stats_steps, runner.stats_graph_steps,
+                        runner.stats_masked_graph_steps)
         if self.device.type == "cuda" and hasattr(self, "runner"):
             import gc
 

@@ -246,6 +246,47 @@ def test_constrained_decoding_on_the_gpu_async_equals_sync(sharp_model):
             assert re.fullmatch(CONSTRAINED_REGEX, "".join(f"t{t}" for t in toks[:-1]))
 
 
+def test_masked_sampling_graphs_equal_eager_masked_sampling(sharp_model):
+    """Greedy constrained steps sample through a masked sampling graph (bitmask rows
+    scattered by sampled row, mask, argmax, token-table write): a decode step through its
+    decode graph's, a mixed prefill step through its bucket's (logits copied in). In fp32
+    the tokens equal the eager masked path's (graphs cleared), with every request
+    constrained and with half of them, async and sync; and the replay hides no sync."""
+    from tandem import SamplingParams
+    from tandem.sampling_params import StructuredOutputsParams
+
+    so = StructuredOutputsParams(regex=CONSTRAINED_REGEX)
+    prompts = _prompts(40, 5, 80, seed=8)
+    every = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, structured_outputs=so)] * len(prompts)
+    half = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, structured_outputs=so if i % 2 else None)
+            for i in range(len(prompts))]
+    for async_scheduling in (True, False):
+        with _llm(sharp_model, dtype="float32", async_scheduling=async_scheduling) as llm:
+            runner = llm.engine.core.executor.worker.runner
+            assert runner.masked_graphs and runner.masked_eager_graphs, "no masked sampling graph was captured"
+            errors: list[str] = []
+            sample_tokens, masked_eager = runner.sample_tokens, runner._masked_eager
+            runner.sample_tokens = _sync_checked(sample_tokens, errors)
+            eager_steps: list[int] = []
+
+            def counted(*a):
+                out = masked_eager(*a)
+                eager_steps.append(out is not None)
+                return out
+
+            runner._masked_eager = counted
+            graphed = [_tokens(llm, prompts, every), _tokens(llm, prompts, half)]
+            assert not errors, errors[0]
+            assert runner.stats_masked_graph_steps > sum(eager_steps) > 0  # decode and mixed steps
+            runner.sample_tokens, runner._masked_eager = sample_tokens, masked_eager
+            runner.masked_graphs.clear()
+            runner.masked_eager_graphs.clear()
+            steps = runner.stats_masked_graph_steps
+            eager = [_tokens(llm, prompts, every), _tokens(llm, prompts, half)]
+            assert runner.stats_masked_graph_steps == steps
+        assert graphed == eager, f"async={async_scheduling}"
+
+
 def test_constrained_steps_launch_without_hidden_synchronization(sharp_model):
     """Both calls of a constrained step (forward; bitmask upload, mask, sample) run under
     sync-debug mode "error"."""
