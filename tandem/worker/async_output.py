@@ -108,6 +108,11 @@ class AsyncModelOutput:
         self._prompt_keys = list(prompt_logprobs.keys())
         self._result: Optional[ModelRunnerOutput] = None
 
+    @property
+    def copy_event(self) -> Optional[torch.cuda.Event]:
+        """Recorded on the side stream after the host copies (None on the CPU)."""
+        return self._event
+
     def get(self) -> ModelRunnerOutput:
         if self._result is not None:
             return self._result

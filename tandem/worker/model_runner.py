@@ -192,6 +192,7 @@ class ModelRunner:
         self.stats_masked_graph_steps = 0  # constrained steps sampled by a masked sampling graph
         self.stats_prepared_steps = 0  # steps launched from inputs ``prepare`` built ahead
         self._pending: Optional[LaunchedForward] = None  # a constrained step's forward, until sampled
+        self._static_copy: Optional[torch.cuda.Event] = None  # see _static_read
         # (step id, inputs built ahead by ``prepare``, or the error building them raised)
         self._prepared: Optional[tuple[int, "PreparedStep | Exception"]] = None
         self.bitmasks = BitmaskStager(ring, device)  # a row per sampled row (1 + k per request)
@@ -692,6 +693,7 @@ class ModelRunner:
         graph_logits = graph_ids = None
         if graph_size is not None:
             graph, (hidden, graph_logits, graph_ids) = self.graphs[(graph_size, splits)]
+            self._await_static_reads()
             graph.replay()
             self.stats_graph_steps += 1
         elif verify_size is not None:
@@ -718,7 +720,8 @@ class ModelRunner:
                 self.spec.propose(self.batch.token_table, verify.rows, verify.base_len + 1, verify.window,
                                   self.batch.block_table_device)
                 self.spec.last_rejected[verify.rows] = 0
-            return AsyncModelOutput(so.step_id, req_ids, sampled, None, prompt_out, self.copy_stream, self.host_ring)
+            return self._static_read(AsyncModelOutput(so.step_id, req_ids, sampled, None, prompt_out, self.copy_stream,
+                                                      self.host_ring), all_rows)
         if graph_logits is not None:
             logits = graph_logits[:n] if all_rows else graph_logits[sb.view(logits_rows)]
         else:
@@ -739,6 +742,22 @@ class ModelRunner:
             return None
         return self._sample(forward, None)
 
+    def _static_read(self, out: AsyncModelOutput, static: bool = True) -> AsyncModelOutput:
+        """``out``'s ids are a view of a graph's output buffer, which the next replay of a
+        graph writing one rewrites: remember its host copy (on the side stream), which that
+        replay must follow (``_await_static_reads``)."""
+        if static:
+            self._static_copy = out.copy_event
+        return out
+
+    def _await_static_reads(self) -> None:
+        """Order the next replay after the host copy of the last ids read from a graph's
+        output buffer. Normally long done (the copy follows the sampling, the replay a whole
+        host step later), so the wait costs nothing; it makes the reuse safe, not likely."""
+        if self._static_copy is not None:
+            torch.cuda.current_stream().wait_event(self._static_copy)
+            self._static_copy = None
+
     @torch.inference_mode()
     def sample_tokens(self, grammar: GrammarOutput) -> AsyncModelOutput:
         """Sample the constrained step whose forward ``execute_model`` just launched: its
@@ -758,10 +777,11 @@ class ModelRunner:
             graph, ids, size = fw.masked_graph
             rows = self._bitmask_row_list(grammar, fw.req_ids)
             self.bitmasks.stage_for_graph(grammar.bitmask, rows, size)
+            self._await_static_reads()
             graph.replay()
             self.stats_masked_graph_steps += 1
-            return AsyncModelOutput(fw.step_id, fw.req_ids, ids[:len(fw.req_ids)], None, fw.prompt_logprobs,
-                                    self.copy_stream, self.host_ring)
+            return self._static_read(AsyncModelOutput(fw.step_id, fw.req_ids, ids[:len(fw.req_ids)], None,
+                                                      fw.prompt_logprobs, self.copy_stream, self.host_ring))
         verify = fw.spec
         mask = None
         if grammar is not None and fw.row_counts is not None:  # every rank: the cut is part of verification
