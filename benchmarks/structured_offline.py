@@ -62,10 +62,8 @@ def set_fill_handover(llm: Any, handover: str, lanes: int) -> None:
     ``lanes`` threads, each a share of the rows (tandem's default: ``FILL_THREADS``)."""
     from tandem.structured_output.manager import FillThreads
 
-    so = llm.engine.core.structured
-    so._wait_fills()
-    so._fill_threads.shutdown()
-    so._fill_threads = FillThreads("tandem-fill", lanes) if handover == "handshake" else _PoolFill(lanes)
+    threads = FillThreads("tandem-fill", lanes) if handover == "handshake" else _PoolFill(lanes)
+    llm.engine.core.structured.set_fill_threads(threads)  # type: ignore[arg-type]
 
 
 class SectionTimers:

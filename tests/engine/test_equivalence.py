@@ -14,6 +14,7 @@ from engine_harness import WorkItem, assert_follow_constraints, assert_same, ran
 from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.sampling_params import SamplingParams
+from tandem.structured_output.manager import FillThreads
 
 VOCAB = 128
 SETTINGS = {
@@ -74,6 +75,7 @@ def test_constrained_workload_async_equals_sync(engines, setting, seed):
     e = engines(setting, True)
     e.core.structured.background_fill_rows = 1
     e.core.structured.min_rows_per_fill_thread = 1
+    e.core.structured.set_fill_threads(FillThreads("tandem-fill", 2))  # (the default is 1 on a small host)
     deferred = e.core.stats.num_sampling_deferred
     background = e.core.structured.num_background_fills
     shared = e.core.structured.num_shared_fills
