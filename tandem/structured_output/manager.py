@@ -240,11 +240,13 @@ class FillThreads:
 # more than a few rows do.
 BACKGROUND_FILL_ROWS = 8
 # Background fill threads, each filling a contiguous share of a step's rows (at least
-# MIN_ROWS_PER_FILL_THREAD rows a share): two halve a full batch's fill (1.0 ms for 256 rows
-# on one thread of an H200 host, longer than the engine thread's work it overlaps), where
-# xgrammar's own pool slowed the whole step; one on hosts of fewer than 8 cores, which
-# the API servers and the engine thread already keep busy.
-FILL_THREADS = 2 if (os.cpu_count() or 1) >= 8 else 1
+# MIN_ROWS_PER_FILL_THREAD rows a share). One: on an H100 host two threads took 1.64 ms for
+# 128 rows each, where one thread on an H200 host took 1.04 ms for 256 and the other step
+# sections ran ~1.5x faster there, so the split bought no parallel speed-up while it takes
+# more CPU from the API servers (``structured_offline.py --fill-lanes``, RESULTS.md; no
+# same-host comparison yet). Why the shares do not run in parallel (a CPU quota, SMT
+# siblings, a lock in the backend) is not known.
+FILL_THREADS = 1
 MIN_ROWS_PER_FILL_THREAD = 32
 
 
