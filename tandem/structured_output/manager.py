@@ -189,7 +189,7 @@ class FillThreads:
     thread came to wait for it. ``submit`` therefore blocks until every thread it handed a
     job to has taken it, which lets them take the GIL at once; each hands the GIL back as
     soon as its job enters native code that releases it (xgrammar's and llguidance's fills
-    do), so the jobs then run in parallel. Measured on the CPU machine: the fill starts
+    do), so the jobs may run in parallel. Measured on the CPU machine: the fill starts
     0.06 ms after ``submit`` instead of after the caller's Python work (0.9 ms in that
     test), and ``submit`` costs the caller about 0.09 ms. The threads start on first use."""
 
@@ -253,7 +253,7 @@ MIN_ROWS_PER_FILL_THREAD = 32
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: str, vocab_size: int, stop_token_ids: list[int],
                  max_workers: Optional[int] = None, cache_size: int = 256, pin_bitmasks: bool = False,
-                 background_fills: bool = True, fill_threads: int = 0) -> None:
+                 background_fills: bool = True) -> None:
         self.backend_name = backend
         self.tokenizer_path = tokenizer
         self.vocab_size = vocab_size
@@ -273,7 +273,7 @@ class StructuredOutputManager:
         self.pin_bitmasks = pin_bitmasks
         # Threads that fill step bitmasks in the background (``start_grammar_output``), each
         # a share of the rows; the fills of the step in flight, if any.
-        self._fill_threads = FillThreads("tandem-fill", fill_threads or FILL_THREADS)
+        self._fill_threads = FillThreads("tandem-fill", FILL_THREADS)
         self._fills: Sequence["Future[None]"] = ()
         # Off (no row count qualifies) for an engine whose model runs on the CPU: there the
         # forward's OpenMP team needs every core, and a fill beside it stalls its parallel
