@@ -508,6 +508,8 @@ class ModelRunner:
         one per bucket for eager steps (mixed prefill and decode: ``_launch`` copies their
         logits and destinations into ``_mask_logits`` / ``_mask_dest`` first). A capture
         that fails leaves constrained steps' sampling eager."""
+        if not self.graphs:
+            return
         self.bitmasks.allocate(-(-self.vocab_size // 32))
         largest = self.graph_sizes[-1]
         logits_of = next(iter(self.graphs.values()))[1][1]
