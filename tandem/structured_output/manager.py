@@ -10,9 +10,9 @@
   compiler's message, marked as the request's fault.
 * Each received token advances the request's matcher (``accept_token``, from the
   scheduler); ``grammar_output`` fills one bitmask row per constrained request of a step.
-* ``start_grammar_output`` fills a step's bitmask on threads of its own, each a share of
-  the rows (the fill runs in the backend's native code, without the GIL, so the shares run
-  in parallel), and the engine thread goes on with the rest of its step meanwhile;
+* ``start_grammar_output`` fills a step's bitmask on a thread of its own (``FILL_THREADS``;
+  with more, each fills a share of the rows; the fill runs in the backend's native code,
+  without the GIL), and the engine thread goes on with the rest of its step meanwhile;
   ``PendingGrammarOutput.result()`` waits for them. The hand-over is a handshake
   (``FillThreads``): a thread merely woken would wait for the GIL until the engine thread's
   pure-Python work paused, i.e. until it waited for the fill. While a fill runs no other
