@@ -11,3 +11,14 @@ def use_fused_kernels(model: nn.Module, on: bool = True) -> int:
             m.fused = on
             n += 1
     return n
+
+
+def use_small_batch_gemv(model: nn.Module, max_rows: int) -> int:
+    """Let decoder layers run batches of at most ``max_rows`` tokens through the fused GEMV
+    kernels (``tandem.kernels.gemv``; 0 turns it off); returns how many layers changed."""
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "gemv_max_rows"):
+            m.gemv_max_rows = max_rows
+            n += 1
+    return n

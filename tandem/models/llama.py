@@ -109,14 +109,24 @@ class LlamaAttention(nn.Module):
         return None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        return self.o_proj(self.attend(positions, self.qkv_proj(hidden_states)))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention over the fused QKV projection's output, before ``o_proj``."""
+        q, k, v = self.qkv_proj.split(qkv)
         # The q/k norms and rotary are applied by the attention layer, which fuses them into
         # the KV-cache write on the Triton path.
-        return self.o_proj(self.attn(q, k, v, rope=(positions, self.rotary_emb), qk_norm=self._qk_norms()))
+        return self.attn(q, k, v, rope=(positions, self.rotary_emb), qk_norm=self._qk_norms())
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; the residual stream is passed along and added inside the norms."""
+    """Pre-norm block; the residual stream is passed along and added inside the norms.
+
+    A batch of at most ``gemv_max_rows`` tokens (0: never; the worker sets it on the Triton
+    path) runs each projection as one GEMV with the norm and SiLU fused in
+    (``tandem.kernels.gemv``): six launches a layer where the GEMM path takes about ten, which
+    is what bounds a small decode batch.
+    """
 
     def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding,
                  attention_cls: type[LlamaAttention] = LlamaAttention) -> None:
@@ -126,9 +136,12 @@ class LlamaDecoderLayer(nn.Module):
                             bias=bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gemv_max_rows = 0
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if 0 < hidden_states.shape[0] <= self.gemv_max_rows:
+            return self._forward_gemv(positions, hidden_states, residual)
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -137,6 +150,25 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+    def _forward_gemv(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                      residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` for a few tokens: norm + QKV, rotary + KV write, attention, o_proj,
+        residual add + norm + gate_up + SiLU-and-multiply, down."""
+        from tandem.kernels.gemv import gemv
+
+        attn, mlp = self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        qkv_w, qkv_b = attn.qkv_proj.weight, attn.qkv_proj.bias
+        if residual is None:
+            qkv = gemv(hidden_states, qkv_w, qkv_b, norm=(ln1.weight, ln1.eps))
+            residual = hidden_states
+        else:
+            qkv, residual = gemv(hidden_states, qkv_w, qkv_b, norm=(ln1.weight, ln1.eps), residual=residual)
+        hidden_states = gemv(attn.attend(positions, qkv), attn.o_proj.weight, attn.o_proj.bias)
+        act, residual = gemv(hidden_states, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+                             norm=(ln2.weight, ln2.eps), residual=residual, silu=True)
+        return gemv(act, mlp.down_proj.weight, mlp.down_proj.bias), residual
 
 
 class LlamaModel(nn.Module):

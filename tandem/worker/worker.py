@@ -15,7 +15,7 @@ import torch
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.distributed import init_tensor_parallel
-from tandem.layers import use_fused_kernels
+from tandem.layers import use_fused_kernels, use_small_batch_gemv
 from tandem.layers.attention import resolve_backend
 from tandem.models.registry import CausalLM
 from tandem.types.grammar import GrammarOutput
@@ -61,8 +61,14 @@ class Worker:
         if not config.enforce_eager and device.type == "cuda" and not graphs:
             logger.info("CUDA graphs off (attention backend %s, tensor_parallel_size %d): decode runs eagerly",
                         backend, world_size)
+        gemv_rows = 0
         if backend == "triton":
             use_fused_kernels(module)
+            if world_size == 1:  # the GEMV kernels do not all-reduce a row-parallel layer's sums
+                from tandem.kernels.gemv import MAX_ROWS
+
+                gemv_rows = min(model_config.env.gemv_max_rows, MAX_ROWS)
+                use_small_batch_gemv(module, gemv_rows)
         # Speculative decoding with a draft model: loaded beside the target, its KV cache in
         # the same blocks (the target's block table addresses both).
         from tandem.models.draft import draft_model_config
@@ -74,6 +80,7 @@ class Worker:
                                       hf_config=self.draft_config.hf_config)
             if backend == "triton":
                 use_fused_kernels(draft_module)
+                use_small_batch_gemv(draft_module, gemv_rows)
             draft = cast(CausalLM, draft_module)
         self.runner = ModelRunner(self.model, model_config.vocab_size, config.block_size, model_config.max_model_len,
                                   model_config.max_num_seqs, model_config.max_num_batched_tokens, self.device,

@@ -19,8 +19,9 @@ from tandem import LLM, SamplingParams  # noqa: E402
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_triton_backend_matches_sdpa_and_warms_up(tiny_factory, arch):
     """Also covers rotary fused into the KV write (Qwen3: with its per-head q/k norms in the
-    same kernel) and split-KV counts that follow the context."""
-    from tandem.kernels import fused
+    same kernel), split-KV counts that follow the context, and the fused GEMV path of
+    batches of at most 8 tokens (every decode step here)."""
+    from tandem.kernels import fused, gemv
 
     tiny_model = tiny_factory(arch)
 
@@ -57,6 +58,14 @@ def test_triton_backend_matches_sdpa_and_warms_up(tiny_factory, arch):
             return fused_write(*args, qk_norm=qk_norm)
 
         monkey.setattr(fused, "rotary_write_kv_cache_", fused_spy)
+        gemv_rows: list[int] = []
+        gemv_call = gemv.gemv
+
+        def gemv_spy(x, *args, **kw):
+            gemv_rows.append(x.shape[0])
+            return gemv_call(x, *args, **kw)
+
+        monkey.setattr(gemv, "gemv", gemv_spy)
         try:
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         finally:
@@ -65,3 +74,4 @@ def test_triton_backend_matches_sdpa_and_warms_up(tiny_factory, arch):
     assert launches, "rotary was not fused into the KV write"
     assert all(launches) == (arch == "qwen3"), "Qwen3's q/k norms belong in the same kernel"
     assert 1 in picked and max(picked) > 1, f"split counts picked: {picked}"
+    assert gemv_rows and max(gemv_rows) <= gemv.MAX_ROWS, "small batches did not take the fused GEMV path"
