@@ -142,21 +142,20 @@ def main() -> None:
             if shape in args.sweep.split(",") and m == 1:
                 base = (gemv_mod._block_n, gemv_mod._BLOCK_K, gemv_mod._NUM_WARPS)
                 sweep = []
-                for block_k in (256, 512):
-                    for warps in (4, 8):
-                        for scale in (1, 2):
-                            gemv_mod._BLOCK_K, gemv_mod._NUM_WARPS = block_k, warps
-                            gemv_mod._block_n = (lambda f, s: lambda mp, n, silu: max(1, int(f(mp, n, silu) * s)))(
-                                base[0], scale)
-                            cell: dict[str, Any] = {"block_k": block_k, "warps": warps, "block_n_scale": scale}
-                            for only in ("qkv", "o", "gate_up", "down"):
-                                try:
-                                    xin = x_down if only == "down" else x
-                                    cell[only] = round(graph_us(lambda: stack(layers, xin, True, only))[0], 1)
-                                except Exception as e:  # a shape the compiler refuses
-                                    cell[only] = f"{type(e).__name__}"
-                            sweep.append(cell)
-                            print(f"  sweep {cell}", flush=True)
+                for block_k, warps, scale in ((256, 4, 1), (256, 4, 2), (256, 4, 4), (512, 4, 1), (512, 4, 2),
+                                              (512, 8, 2), (512, 8, 4), (1024, 4, 1), (1024, 8, 1), (1024, 8, 2)):
+                    gemv_mod._BLOCK_K, gemv_mod._NUM_WARPS = block_k, warps
+                    gemv_mod._block_n = (lambda f, s: lambda mp, n, silu: max(1, int(f(mp, n, silu) * s)))(
+                        base[0], scale)
+                    cell: dict[str, Any] = {"block_k": block_k, "warps": warps, "block_n_scale": scale}
+                    for only in ("qkv", "o", "gate_up", "down"):
+                        try:
+                            xin = x_down if only == "down" else x
+                            cell[only] = round(graph_us(lambda: stack(layers, xin, True, only))[0], 1)
+                        except Exception as e:  # a shape the compiler refuses
+                            cell[only] = f"{type(e).__name__}"
+                    sweep.append(cell)
+                    print(f"  sweep {cell}", flush=True)
                 gemv_mod._block_n, gemv_mod._BLOCK_K, gemv_mod._NUM_WARPS = base
                 row["sweep"] = sweep
             results.append(row)

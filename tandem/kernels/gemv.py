@@ -40,7 +40,7 @@ _NUM_WARPS = 4
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
                  M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_rom, up_offset, eps,
                  NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, M_PAD)
@@ -54,8 +54,8 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
 
     if NORM:  # pass 1: each row's mean square (and, from program 0, the new residual stream)
         ss = tl.zeros([M_PAD], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + offs_k0
+        for k0 in range(0, K, NORM_BLOCK):  # one iteration for a model's usual widths
+            offs_k = k0 + tl.arange(0, NORM_BLOCK)
             mk = m_ok[:, None] & (offs_k < K)[None, :]
             h = tl.load(x_rows + offs_k[None, :], mask=mk, other=0.0)
             if HAS_RES:
@@ -141,6 +141,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     N = n_total // 2 if silu else n_total
     m_pad = _pow2(M)
     block_n = _block_n(m_pad, N, silu)
+    # Pass 1 of the norm reads whole rows at once where they fit (one round trip to L2
+    # instead of one per block).
+    norm_block = min(_pow2(K), max(_BLOCK_K, 8192 // m_pad))
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else out
     norm_w, eps = norm if norm is not None else (weight, 0.0)
@@ -149,7 +152,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         x, res, norm_w, weight, bias if bias is not None else weight, out, res_out,
         M, N, K, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0), N, float(eps),
         NORM=norm is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None, SILU=silu,
-        M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, num_warps=_NUM_WARPS)
+        M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, NORM_BLOCK=norm_block,
+        num_warps=_NUM_WARPS)
     if residual is not None:
         return out, res_out
     return out
