@@ -47,10 +47,8 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
     m_ok = offs_m < M
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_k0 = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     r_rows = res_ptr + offs_m[:, None].to(tl.int64) * stride_rm
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
 
     if NORM:  # pass 1: each row's mean square (and, from program 0, the new residual stream)
         ss = tl.zeros([M_PAD], dtype=tl.float32)
@@ -67,27 +65,39 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
             ss += tl.sum(hf * hf, axis=1)
         rstd = tl.rsqrt(ss / K + eps)
 
+    # The main loop works on [rows, outputs, features] tiles loaded as such, so the input
+    # chunk broadcasts over the outputs with no layout conversion in the loop.
+    m3 = offs_m[:, None, None]
+    n3 = offs_n[None, :, None]
+    k3 = tl.arange(0, BLOCK_K)[None, None, :]
+    x3 = x_ptr + m3.to(tl.int64) * stride_xm
+    r3 = res_ptr + m3.to(tl.int64) * stride_rm
+    w3 = w_ptr + n3.to(tl.int64) * stride_wn
+    m_ok3 = m3 < M
+    n_ok3 = n3 < N
+    if NORM:
+        rstd3 = rstd[:, None, None]
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
     if SILU:
         acc_up = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + offs_k0
-        k_ok = offs_k < K
-        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        kk = k0 + k3
+        k_ok3 = kk < K
+        x = tl.load(x3 + kk, mask=m_ok3 & k_ok3, other=0.0)
         if NORM:
             if HAS_RES:
-                r = tl.load(r_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                r = tl.load(r3 + kk, mask=m_ok3 & k_ok3, other=0.0)
                 x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-            normed = (x.to(tl.float32) * rstd[:, None]).to(dt)
-            nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0)
-            x = (nw.to(tl.float32)[None, :] * normed.to(tl.float32)).to(dt)
-        xf = x.to(tl.float32)[:, None, :]
-        wk = n_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_rows + offs_k[None, :], mask=wk, other=0.0)
-        acc += xf * w.to(tl.float32)[None, :, :]
+            normed = (x.to(tl.float32) * rstd3).to(dt)
+            nw = tl.load(nw_ptr + kk, mask=k_ok3, other=0.0)
+            x = (nw.to(tl.float32) * normed.to(tl.float32)).to(dt)
+        xf = x.to(tl.float32)
+        wk = n_ok3 & k_ok3
+        w = tl.load(w3 + kk, mask=wk, other=0.0)
+        acc += xf * w.to(tl.float32)
         if SILU:
-            wu = tl.load(w_rows + up_offset * stride_wn + offs_k[None, :], mask=wk, other=0.0)
-            acc_up += xf * wu.to(tl.float32)[None, :, :]
+            wu = tl.load(w3 + up_offset * stride_wn + kk, mask=wk, other=0.0)
+            acc_up += xf * wu.to(tl.float32)
 
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
