@@ -79,6 +79,21 @@ def stack(layers: list[dict[str, torch.Tensor]], x: torch.Tensor, use_gemv: bool
     return h
 
 
+def sweep_config(block_k: int, warps: int, scale: float) -> Callable[[int, int, int, bool], tuple[int, int, int]]:
+    """A ``tandem.kernels.gemv._config`` with these features per tile and warps, and its
+    rows-per-program rule scaled by ``scale``."""
+    import triton
+
+    def config(m_pad: int, n: int, k: int, silu: bool) -> tuple[int, int, int]:
+        cap = max(1, 8192 // (m_pad * block_k * (2 if silu else 1)))
+        block_n = 1
+        while block_n * 2 <= cap and triton.cdiv(n, block_n * 2) >= 512:
+            block_n *= 2
+        return max(1, int(block_n * scale)), block_k, warps
+
+    return config
+
+
 def graph_us(fn: Callable[[], Any], reps: int = 20) -> tuple[float, Any]:
     """Microseconds per replay of ``fn`` captured in a CUDA graph (median of ``reps``)."""
     out = fn()  # compile and warm
@@ -140,13 +155,12 @@ def main() -> None:
                 print(f"{shape} rows {m} {tag:12s} gemm {t_gemm:8.1f} us ({nbytes / t_gemm / 1e6:.2f} TB/s)  "
                       f"gemv {t_gemv:8.1f} us ({nbytes / t_gemv / 1e6:.2f} TB/s)  rel diff {diff:.1e}", flush=True)
             if shape in args.sweep.split(",") and m == 1:
-                base = (gemv_mod._block_n, gemv_mod._BLOCK_K, gemv_mod._NUM_WARPS)
+                base = gemv_mod._config
                 sweep = []
                 for block_k, warps, scale in ((256, 4, 1), (256, 4, 2), (256, 4, 4), (512, 4, 1), (512, 4, 2),
-                                              (512, 8, 2), (512, 8, 4), (1024, 4, 1), (1024, 8, 1), (1024, 8, 2)):
-                    gemv_mod._BLOCK_K, gemv_mod._NUM_WARPS = block_k, warps
-                    gemv_mod._block_n = (lambda f, s: lambda mp, n, silu: max(1, int(f(mp, n, silu) * s)))(
-                        base[0], scale)
+                                              (512, 8, 2), (1024, 4, 1), (1024, 4, 2), (1024, 8, 1), (1024, 8, 2),
+                                              (2048, 8, 1)):
+                    gemv_mod._config = sweep_config(block_k, warps, scale)
                     cell: dict[str, Any] = {"block_k": block_k, "warps": warps, "block_n_scale": scale}
                     for only in ("qkv", "o", "gate_up", "down"):
                         try:
@@ -156,7 +170,7 @@ def main() -> None:
                             cell[only] = f"{type(e).__name__}"
                     sweep.append(cell)
                     print(f"  sweep {cell}", flush=True)
-                gemv_mod._block_n, gemv_mod._BLOCK_K, gemv_mod._NUM_WARPS = base
+                gemv_mod._config = base
                 row["sweep"] = sweep
             results.append(row)
         layers = []  # free this shape's weights before the next

@@ -28,15 +28,16 @@ class EnvSwitches:
     - ``TANDEM_RAY_WAIT_FOR_RESOURCES`` (``ray_wait_for_resources``): let the Ray executor
       wait for an autoscaling cluster to grow instead of failing at once.
     - ``TANDEM_GEMV_MAX_ROWS`` (``gemv_max_rows``): on the Triton path, batches of at most
-      this many tokens run each projection as one fused GEMV (``tandem.kernels.gemv``);
-      0 keeps them on the GEMM path. Default 8, the kernels' limit.
+      this many tokens (up to 8) run each projection as one fused GEMV
+      (``tandem.kernels.gemv``); 0 keeps them on the GEMM path. Unset: one token, for models
+      small enough that it measured faster (``tandem.kernels.gemv.auto_max_rows``).
     """
 
     cache_dir: str = "~/.cache/tandem"
     dist_backend: Optional[str] = None
     log_level: str = "WARNING"
     ray_wait_for_resources: bool = False
-    gemv_max_rows: int = 8
+    gemv_max_rows: Optional[int] = None
 
     @classmethod
     def from_environ(cls, environ: Optional[dict[str, str]] = None) -> "EnvSwitches":
@@ -46,7 +47,7 @@ class EnvSwitches:
             dist_backend=env.get("TANDEM_DIST_BACKEND") or None,
             log_level=(env.get("TANDEM_LOG_LEVEL") or cls.log_level).upper(),
             ray_wait_for_resources=env.get("TANDEM_RAY_WAIT_FOR_RESOURCES", "").lower() in ("1", "true", "yes"),
-            gemv_max_rows=int(env.get("TANDEM_GEMV_MAX_ROWS") or cls.gemv_max_rows),
+            gemv_max_rows=int(env["TANDEM_GEMV_MAX_ROWS"]) if env.get("TANDEM_GEMV_MAX_ROWS") else None,
         )
 
     @property

@@ -30,43 +30,33 @@ import torch
 import triton
 import triton.language as tl
 
-# Batches of at most this many rows take the GEMV path; larger ones are GEMMs (cuBLAS).
+# Batches of at most this many rows may take the GEMV path; larger ones are GEMMs (cuBLAS).
 MAX_ROWS = 8
-_BLOCK_K = 256
-_NUM_WARPS = 4
+# Models whose merged gate_up weight has at most this many elements take it at batch 1 by
+# default. Measured on an H100 in CUDA graphs (benchmarks/gemv_bench.py, results in
+# RESULTS.md): a 0.5B layer stack (gate_up of 8.7M elements) ran 694 -> 551 us a step at one
+# row, a 7B one (136M) 3% slower than cuBLAS, and two or more rows were slower at both sizes.
+AUTO_MAX_GATE_UP_NUMEL = 32 << 20
+
+
+def auto_max_rows(hidden_size: int, intermediate_size: int) -> int:
+    """The rows the GEMV path takes by default for a model of this size (1 or 0)."""
+    return 1 if 2 * hidden_size * intermediate_size <= AUTO_MAX_GATE_UP_NUMEL else 0
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
                  M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_rom, up_offset, eps,
                  NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
+                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                 ONE_TILE: tl.constexpr):
     pid = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, M_PAD)
-    m_ok = offs_m < M
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    r_rows = res_ptr + offs_m[:, None].to(tl.int64) * stride_rm
-
-    if NORM:  # pass 1: each row's mean square (and, from program 0, the new residual stream)
-        ss = tl.zeros([M_PAD], dtype=tl.float32)
-        for k0 in range(0, K, NORM_BLOCK):  # one iteration for a model's usual widths
-            offs_k = k0 + tl.arange(0, NORM_BLOCK)
-            mk = m_ok[:, None] & (offs_k < K)[None, :]
-            h = tl.load(x_rows + offs_k[None, :], mask=mk, other=0.0)
-            if HAS_RES:
-                r = tl.load(r_rows + offs_k[None, :], mask=mk, other=0.0)
-                h = (h.to(tl.float32) + r.to(tl.float32)).to(dt)
-                if pid == 0:
-                    tl.store(res_out_ptr + offs_m[:, None].to(tl.int64) * stride_rom + offs_k[None, :], h, mask=mk)
-            hf = h.to(tl.float32)
-            ss += tl.sum(hf * hf, axis=1)
-        rstd = tl.rsqrt(ss / K + eps)
-
-    # The main loop works on [rows, outputs, features] tiles loaded as such, so the input
-    # chunk broadcasts over the outputs with no layout conversion in the loop.
+    # Tiles are [rows, outputs, features], loaded as such, so an input chunk broadcasts over
+    # the outputs with no layout conversion.
     m3 = offs_m[:, None, None]
     n3 = offs_n[None, :, None]
     k3 = tl.arange(0, BLOCK_K)[None, None, :]
@@ -75,29 +65,70 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
     w3 = w_ptr + n3.to(tl.int64) * stride_wn
     m_ok3 = m3 < M
     n_ok3 = n3 < N
-    if NORM:
-        rstd3 = rstd[:, None, None]
-    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if SILU:
-        acc_up = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + k3
-        k_ok3 = kk < K
-        x = tl.load(x3 + kk, mask=m_ok3 & k_ok3, other=0.0)
+
+    if ONE_TILE:  # K <= BLOCK_K
+        # One tile: the weight loads go out first, and the norm's statistics come from the
+        # same input load the projection uses.
+        k_ok3 = k3 < K
+        w = tl.load(w3 + k3, mask=n_ok3 & k_ok3, other=0.0)
+        if SILU:
+            wu = tl.load(w3 + up_offset * stride_wn + k3, mask=n_ok3 & k_ok3, other=0.0)
+        x = tl.load(x3 + k3, mask=m_ok3 & k_ok3, other=0.0)
         if NORM:
             if HAS_RES:
-                r = tl.load(r3 + kk, mask=m_ok3 & k_ok3, other=0.0)
+                r = tl.load(r3 + k3, mask=m_ok3 & k_ok3, other=0.0)
                 x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-            normed = (x.to(tl.float32) * rstd3).to(dt)
-            nw = tl.load(nw_ptr + kk, mask=k_ok3, other=0.0)
+                if pid == 0:
+                    tl.store(res_out_ptr + m3.to(tl.int64) * stride_rom + k3, x, mask=m_ok3 & k_ok3)
+            xf = x.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xf * xf, axis=2) / K + eps)[:, :, None]
+            normed = (xf * rstd).to(dt)
+            nw = tl.load(nw_ptr + k3, mask=k_ok3, other=0.0)
             x = (nw.to(tl.float32) * normed.to(tl.float32)).to(dt)
         xf = x.to(tl.float32)
-        wk = n_ok3 & k_ok3
-        w = tl.load(w3 + kk, mask=wk, other=0.0)
-        acc += xf * w.to(tl.float32)
+        acc = xf * w.to(tl.float32)
         if SILU:
-            wu = tl.load(w3 + up_offset * stride_wn + kk, mask=wk, other=0.0)
-            acc_up += xf * wu.to(tl.float32)
+            acc_up = xf * wu.to(tl.float32)
+    else:
+        if NORM:  # pass 1: each row's mean square (and, from program 0, the new residual stream)
+            ss = tl.zeros([M_PAD], dtype=tl.float32)
+            m_ok = offs_m < M
+            x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+            r_rows = res_ptr + offs_m[:, None].to(tl.int64) * stride_rm
+            for k0 in range(0, K, NORM_BLOCK):  # one iteration for a model's usual widths
+                offs_k = k0 + tl.arange(0, NORM_BLOCK)
+                mk = m_ok[:, None] & (offs_k < K)[None, :]
+                h = tl.load(x_rows + offs_k[None, :], mask=mk, other=0.0)
+                if HAS_RES:
+                    r = tl.load(r_rows + offs_k[None, :], mask=mk, other=0.0)
+                    h = (h.to(tl.float32) + r.to(tl.float32)).to(dt)
+                    if pid == 0:
+                        tl.store(res_out_ptr + offs_m[:, None].to(tl.int64) * stride_rom + offs_k[None, :], h,
+                                 mask=mk)
+                hf = h.to(tl.float32)
+                ss += tl.sum(hf * hf, axis=1)
+            rstd3 = tl.rsqrt(ss / K + eps)[:, None, None]
+        acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if SILU:
+            acc_up = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + k3
+            k_ok3 = kk < K
+            w = tl.load(w3 + kk, mask=n_ok3 & k_ok3, other=0.0)
+            if SILU:
+                wu = tl.load(w3 + up_offset * stride_wn + kk, mask=n_ok3 & k_ok3, other=0.0)
+            x = tl.load(x3 + kk, mask=m_ok3 & k_ok3, other=0.0)
+            if NORM:
+                if HAS_RES:
+                    r = tl.load(r3 + kk, mask=m_ok3 & k_ok3, other=0.0)
+                    x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+                normed = (x.to(tl.float32) * rstd3).to(dt)
+                nw = tl.load(nw_ptr + kk, mask=k_ok3, other=0.0)
+                x = (nw.to(tl.float32) * normed.to(tl.float32)).to(dt)
+            xf = x.to(tl.float32)
+            acc += xf * w.to(tl.float32)
+            if SILU:
+                acc_up += xf * wu.to(tl.float32)
 
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
@@ -109,7 +140,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
         g = y.to(dt).to(tl.float32)  # the projection's output, rounded as the GEMM's is
         s = (g * tl.sigmoid(g)).to(dt).to(tl.float32)  # F.silu rounds its output
         y = s * u.to(dt).to(tl.float32)
-    om = m_ok[:, None] & n_ok[None, :]
+    om = (offs_m < M)[:, None] & n_ok[None, :]
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], y.to(dt), mask=om)
 
 
@@ -117,15 +148,24 @@ def _pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
-def _block_n(m_pad: int, n: int, silu: bool) -> int:
-    """Output rows per program: enough programs to cover the GPU's SMs a few times over
-    (skinny outputs get 1-2 rows each), and a register budget for the ``[M, N, K]``
-    accumulator (about 64 fp32 registers a thread at 4 warps)."""
-    cap = max(1, 8192 // (m_pad * _BLOCK_K * (2 if silu else 1)))
-    block = 1
-    while block * 2 <= cap and triton.cdiv(n, block * 2) >= 512:
-        block *= 2
-    return block
+def _config(m_pad: int, n: int, k: int, silu: bool) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps)``, after an H100 sweep of the 0.5B shapes at one row
+    (gemv_bench.py --sweep): a feature width of up to 1024 in one tile (QKV 113 -> 91 us a
+    step); wider inputs (down) in 1024-feature tiles over 8 warps (153 -> 136 us); the
+    gate_up + SiLU launch, with two accumulators, in 16 x 256 tiles (261 -> 235 us). Output
+    rows per program: enough programs to cover the SMs a few times over, within a register
+    budget for the ``[rows, outputs, features]`` accumulators (~8k fp32 values)."""
+    if silu:
+        block_k, warps = 256, 4
+    elif k <= 1024:
+        block_k, warps = _pow2(k), 4
+    else:
+        block_k, warps = 1024, 8
+    cap = max(1, 8192 // (m_pad * block_k * (2 if silu else 1)))
+    block_n = 1
+    while block_n * 2 <= cap and (silu or triton.cdiv(n, block_n * 2) >= 512):
+        block_n *= 2
+    return block_n, block_k, warps
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -150,10 +190,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         raise ValueError("silu needs an even number of output rows (gate | up)")
     N = n_total // 2 if silu else n_total
     m_pad = _pow2(M)
-    block_n = _block_n(m_pad, N, silu)
-    # Pass 1 of the norm reads whole rows at once where they fit (one round trip to L2
-    # instead of one per block).
-    norm_block = min(_pow2(K), max(_BLOCK_K, 8192 // m_pad))
+    block_n, block_k, warps = _config(m_pad, N, K, silu)
+    # Pass 1 of a multi-tile norm reads whole rows at once where they fit (one round trip to
+    # L2 instead of one per tile).
+    norm_block = min(_pow2(K), max(block_k, 8192 // m_pad))
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else out
     norm_w, eps = norm if norm is not None else (weight, 0.0)
@@ -162,8 +202,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         x, res, norm_w, weight, bias if bias is not None else weight, out, res_out,
         M, N, K, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0), N, float(eps),
         NORM=norm is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None, SILU=silu,
-        M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, NORM_BLOCK=norm_block,
-        num_warps=_NUM_WARPS)
+        M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, NORM_BLOCK=norm_block, ONE_TILE=K <= block_k,
+        num_warps=warps)
     if residual is not None:
         return out, res_out
     return out

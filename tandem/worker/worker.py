@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional, cast
+from typing import Any, Optional, cast
 
 import torch
 
@@ -26,6 +26,16 @@ from tandem.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _gemv_rows(asked: Optional[int], hf_config: Any) -> int:
+    """The rows up to which decoder layers take the fused GEMV kernels: what
+    ``TANDEM_GEMV_MAX_ROWS`` asked (capped at the kernels' limit), else the model-size rule."""
+    from tandem.kernels.gemv import MAX_ROWS, auto_max_rows
+
+    if asked is not None:
+        return max(0, min(asked, MAX_ROWS))
+    return auto_max_rows(hf_config.hidden_size, hf_config.intermediate_size)
 
 
 class Worker:
@@ -61,14 +71,12 @@ class Worker:
         if not config.enforce_eager and device.type == "cuda" and not graphs:
             logger.info("CUDA graphs off (attention backend %s, tensor_parallel_size %d): decode runs eagerly",
                         backend, world_size)
-        gemv_rows = 0
+        # The GEMV kernels do not all-reduce a row-parallel layer's partial sums: one rank only.
+        gemv = backend == "triton" and world_size == 1
         if backend == "triton":
             use_fused_kernels(module)
-            if world_size == 1:  # the GEMV kernels do not all-reduce a row-parallel layer's sums
-                from tandem.kernels.gemv import MAX_ROWS
-
-                gemv_rows = min(model_config.env.gemv_max_rows, MAX_ROWS)
-                use_small_batch_gemv(module, gemv_rows)
+            if gemv:
+                use_small_batch_gemv(module, _gemv_rows(model_config.env.gemv_max_rows, model_config.hf_config))
         # Speculative decoding with a draft model: loaded beside the target, its KV cache in
         # the same blocks (the target's block table addresses both).
         from tandem.models.draft import draft_model_config
@@ -80,7 +88,9 @@ class Worker:
                                       hf_config=self.draft_config.hf_config)
             if backend == "triton":
                 use_fused_kernels(draft_module)
-                use_small_batch_gemv(draft_module, gemv_rows)
+                if gemv:
+                    use_small_batch_gemv(draft_module, _gemv_rows(model_config.env.gemv_max_rows,
+                                                                  self.draft_config.hf_config))
             draft = cast(CausalLM, draft_module)
         self.runner = ModelRunner(self.model, model_config.vocab_size, config.block_size, model_config.max_model_len,
                                   model_config.max_num_seqs, model_config.max_num_batched_tokens, self.device,

@@ -22,8 +22,9 @@ from tandem.layers.norm import RMSNorm  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 DEV = "cuda" if HAS_CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
-# (K, N): input and output features; the last CPU shape leaves partial row and K blocks.
-SHAPES = [(96, 72), (300, 37)] + ([(896, 1152), (896, 2 * 4864), (4864, 896)] if HAS_CUDA else [])
+# (K, N): input and output features, in one tile and in several (K > 1024), with partial
+# blocks of outputs and features.
+SHAPES = [(96, 72), (300, 37), (1100, 20)] + ([(896, 1152), (896, 2 * 4864), (4864, 896)] if HAS_CUDA else [])
 
 
 def _interpreted() -> None:
@@ -126,3 +127,21 @@ def test_refuses_what_it_cannot_compute():
         gemv(torch.randn(2, 8, device=DEV), w, residual=torch.randn(2, 8, device=DEV))
     with pytest.raises(ValueError, match="even"):
         gemv(torch.randn(2, 8, device=DEV), torch.randn(5, 8, device=DEV), silu=True)
+
+
+def test_which_batches_take_it():
+    """By default only batch 1 of a small model (where it measured faster); the environment
+    switch overrides, within the kernels' limit."""
+    from types import SimpleNamespace
+
+    from tandem.config.model import EnvSwitches
+    from tandem.kernels.gemv import MAX_ROWS, auto_max_rows
+    from tandem.worker.worker import _gemv_rows
+
+    assert auto_max_rows(896, 4864) == 1  # Qwen2.5-0.5B
+    assert auto_max_rows(3584, 18944) == 0  # Qwen2.5-7B
+    qwen_05b = SimpleNamespace(hidden_size=896, intermediate_size=4864)
+    assert EnvSwitches.from_environ({}).gemv_max_rows is None
+    assert _gemv_rows(EnvSwitches.from_environ({}).gemv_max_rows, qwen_05b) == 1
+    assert _gemv_rows(EnvSwitches.from_environ({"TANDEM_GEMV_MAX_ROWS": "0"}).gemv_max_rows, qwen_05b) == 0
+    assert _gemv_rows(EnvSwitches.from_environ({"TANDEM_GEMV_MAX_ROWS": "99"}).gemv_max_rows, qwen_05b) == MAX_ROWS

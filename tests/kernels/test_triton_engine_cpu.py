@@ -17,10 +17,10 @@ from tandem import LLM, SamplingParams  # noqa: E402
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_triton_backend_matches_sdpa_and_warms_up(tiny_factory, arch):
+def test_triton_backend_matches_sdpa_and_warms_up(tiny_factory, arch, monkeypatch):
     """Also covers rotary fused into the KV write (Qwen3: with its per-head q/k norms in the
     same kernel), split-KV counts that follow the context, and the fused GEMV path of
-    batches of at most 8 tokens (every decode step here)."""
+    batches of up to 8 tokens (every decode step here; by default only batch 1 takes it)."""
     from tandem.kernels import fused, gemv
 
     tiny_model = tiny_factory(arch)
@@ -33,6 +33,7 @@ def test_triton_backend_matches_sdpa_and_warms_up(tiny_factory, arch):
               enforce_eager=True)
     with LLM(tiny_model, attention_backend="sdpa", **kw) as ref:
         want = [o.outputs[0].token_ids for o in ref.generate(prompts, sp, use_tqdm=False)]
+    monkeypatch.setenv("TANDEM_GEMV_MAX_ROWS", "8")
     with LLM(tiny_model, attention_backend="triton", **kw) as llm:
         runner = llm.engine.core.executor.worker.runner
         assert runner.backend == "triton"
