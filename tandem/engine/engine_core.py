@@ -24,7 +24,9 @@ in flight that samples one of the step's constrained requests, sampling is defer
 oldest step is completed first (its tokens advance the grammars) while the new forward
 runs, then the bitmask is filled (on CUDA, on the structured-output manager's fill thread,
 while this thread finishes the completed step and schedules the next) and ``sample_tokens``
-sent just before the next launch. Otherwise it is sent at once. No step is launched while
+sent as soon as this thread finds the bitmask filled (before scheduling the next step, or
+before building its inputs), at the latest just before the next launch. Otherwise it is
+sent at once. No step is launched while
 another awaits its sampling call, so the worker always sees forward N, sample N, forward
 N+1, sample N+1. A step without constrained requests is one call, exactly as before.
 
@@ -231,6 +233,7 @@ class EngineCore:
         step: Optional[InFlightStep] = None
         try:
             with deferred_interrupts():
+                self._send_filled_sampling()
                 so = self.scheduler.schedule()
                 if so.is_empty:
                     so = None
@@ -241,6 +244,7 @@ class EngineCore:
                 # must precede the next forward on the device (which reads its tokens). The
                 # next step's inputs are built before (while the fill may still run), so
                 # only its upload and launch follow the sampling call.
+                self._send_filled_sampling()
                 if self.prepare_ahead and any(w.output is None for w in self.batch_queue):
                     self.executor.prepare_model(so)
                 for waiting in self.batch_queue:
@@ -329,6 +333,16 @@ class EngineCore:
             return
         step.grammar = None
         step.output = self.executor.sample_tokens(grammar)
+
+    def _send_filled_sampling(self) -> None:
+        """Send the sampling call of a step whose bitmask is already filled, without waiting
+        for the next step's scheduling and inputs: the device samples as soon as the running
+        forward ends (instead of idling until the next launch), so that step's tokens are
+        back when this thread comes to wait for them. The order on the device is the same:
+        a step's sampling always precedes the next forward."""
+        for step in self.batch_queue:
+            if step.output is None and step.grammar is not None and step.grammar.done():
+                self._send_sampling(step)
 
     @staticmethod
     def _fail_sampling(step: InFlightStep, exc: Exception) -> None:

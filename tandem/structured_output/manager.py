@@ -131,6 +131,10 @@ class PendingGrammarOutput:
         self._output = output
         self._fills = fills
 
+    def done(self) -> bool:
+        """Whether the bitmask is filled (or a fill failed): ``result`` would not wait."""
+        return all(f.done() for f in self._fills)
+
     def result(self) -> GrammarOutput:
         """The output once its bitmask is filled (re-raises a fill's error, once all ended)."""
         wait_all(self._fills)

@@ -163,10 +163,14 @@ def test_constrained_step_calls_keep_their_order(tiny_llama, monkeypatch):
 
 
 def test_next_step_is_built_before_the_deferred_sampling_call_and_equals_sync(tiny_llama, monkeypatch):
-    """Async: the inputs of step N+1 are built (``prepare_model``) before step N's deferred
-    sampling call, and only launched after it; with requests arriving and finishing (rows
-    freed and reused while a step waits for its sampling), seeded and greedy, constrained
-    and not, every token equals the synchronous engine's."""
+    """Async, with a fill still running when the next step is scheduled (as on CUDA, where it
+    runs on the fill thread): the inputs of step N+1 are built (``prepare_model``) before
+    step N's deferred sampling call, and only launched after it; with requests arriving and
+    finishing (rows freed and reused while a step waits for its sampling), seeded and
+    greedy, constrained and not, every token equals the synchronous engine's."""
+    from tandem.structured_output.manager import PendingGrammarOutput
+
+    monkeypatch.setattr(PendingGrammarOutput, "done", lambda self: False)
     items = [WorkItem(f"c{i}", [5 + i, 6, 7], constrained(6 + 3 * i), arrive_step=i) for i in range(4)]
     items += [WorkItem(f"r{i}", [9, 4 + i], constrained(10, so=TINY_CONSTRAINTS[3][0], temperature=1.1, seed=i),
                        arrive_step=2 * i) for i in range(3)]
@@ -188,10 +192,47 @@ def test_next_step_is_built_before_the_deferred_sampling_call_and_equals_sync(ti
     e.shutdown()
 
 
+def test_a_filled_bitmask_is_sent_before_the_next_step_is_scheduled_and_equals_sync(tiny_llama, monkeypatch):
+    """Async, fills done by the time the engine thread looks (the CPU fills inline): a
+    deferred sampling call goes out before the next step is scheduled, so nothing is built
+    ahead; the worker still sees sample N before forward N+1, and tokens equal sync."""
+    items = [WorkItem(f"c{i}", [5 + i, 6, 7], constrained(6 + 3 * i), arrive_step=i) for i in range(3)]
+    items += [WorkItem(f"u{i}", [8, 9, i + 3], SamplingParams(temperature=0.8, seed=40 + i, max_tokens=4 + 5 * i),
+                       arrive_step=i) for i in range(3)]
+    expected = run_workload(engine(tiny_llama, False, max_num_batched_tokens=12), items).outputs
+    e = engine(tiny_llama, True, max_num_batched_tokens=12)
+    ex = e.core.executor
+    scheduled: list[int] = []
+    schedule = e.core.scheduler.schedule
+
+    def spy_schedule():
+        so = schedule()
+        scheduled.append(len(calls))  # how many worker calls came before this scheduling
+        return so
+
+    monkeypatch.setattr(e.core.scheduler, "schedule", spy_schedule)
+    calls = record_calls(monkeypatch, ex, {"prepare_model": lambda so: ("prepare", so.step_id),
+                                           "execute_model": lambda so: ("launch", so.step_id),
+                                           "sample_tokens": lambda grammar: ("sample", grammar.step_id)})
+    got = run_workload(e, items).outputs
+    assert_same(expected, got, items)
+    assert not [c for c in calls if c[0] == "prepare"]
+    samples = [k for k, c in enumerate(calls) if c[0] == "sample"]
+    assert samples and e.core.stats.num_sampling_deferred > 0
+    for k in samples:  # sent before the scheduling that precedes the next launch
+        later = [j for j, c in enumerate(calls) if c[0] == "launch" and j > k]
+        if later:
+            assert any(k < n <= later[0] for n in scheduled), calls[k:later[0] + 1]
+    e.shutdown()
+
+
 def test_a_step_built_ahead_then_interrupted_before_its_launch_leaves_nothing_behind(tiny_llama, monkeypatch):
     """An interrupt between building a step ahead and launching it abandons the step (its
     requests fail); the inputs built for it are dropped, and later requests decode exactly
-    as on a fresh engine."""
+    as on a fresh engine. (Fills are held "running" so that steps are built ahead.)"""
+    from tandem.structured_output.manager import PendingGrammarOutput
+
+    monkeypatch.setattr(PendingGrammarOutput, "done", lambda self: False)
     e = engine(tiny_llama, True)
     ex = e.core.executor
     runner = ex.worker.runner
