@@ -80,9 +80,9 @@ def torch_reserved_gib() -> float:
 
 
 # -- served ------------------------------------------------------------------------------
-def start_server(folder: str, count: str, log_path: str) -> tuple[subprocess.Popen, int]:
+def start_server(folder: str, count: str, log_path: str, **engine: Any) -> tuple[subprocess.Popen, int]:
     flags = [f"--{k.replace('_', '-')}" if v is True else f"--no-{k.replace('_', '-')}" if v is False
-             else f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
+             else f"--{k.replace('_', '-')}={v}" for k, v in {**ENGINE, **engine}.items()]
     proc, url = serve_common.start_server(folder, ["--api-server-count", count, *flags], log_path)
     return proc, int(url.rsplit(":", 1)[1])
 
@@ -208,12 +208,26 @@ def engine_core_pid(server_pid: int) -> int:
 
 
 def structured_runs(folder: str, count: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
-    """One server; the same served workload with a share of JSON-schema requests, for each
-    of ``--structured-ratios`` (bench serve's default schema never closes, so every token of
-    a constrained request is under the grammar and every request has the same length)."""
-    log_path = os.path.join(tmp, f"server-structured-{count}.log")
-    proc, port = start_server(folder, count, log_path)
-    out: dict[str, Any] = {"api_server_count": count, "runs": {}}
+    """``structured_run`` for each of ``--fill-threads``, one server each; the first count's
+    result is the top level (the table), every count's under ``by_fill_threads``."""
+    counts = [int(c) for c in args.fill_threads.split(",")]
+    results = {}
+    for n in counts:
+        results[str(n)] = structured_run(folder, count, args, tmp, n)
+    out = dict(results[str(counts[0])])
+    if len(counts) > 1:
+        out["by_fill_threads"] = results
+    return out
+
+
+def structured_run(folder: str, count: str, args: argparse.Namespace, tmp: str, fill_threads: int) -> dict[str, Any]:
+    """One server (``--structured-outputs-fill-threads fill_threads``); the same served
+    workload with a share of JSON-schema requests, for each of ``--structured-ratios`` (bench
+    serve's default schema never closes, so every token of a constrained request is under
+    the grammar and every request has the same length)."""
+    log_path = os.path.join(tmp, f"server-structured-{count}-{fill_threads}.log")
+    proc, port = start_server(folder, count, log_path, structured_outputs_fill_threads=fill_threads)
+    out: dict[str, Any] = {"api_server_count": count, "fill_threads": fill_threads, "runs": {}}
     try:
         ratios = [float(r) for r in args.structured_ratios.split(",")]
         for r in ratios:  # warm-up: compile the grammar kernels and the schema once
@@ -232,8 +246,8 @@ def structured_runs(folder: str, count: str, args: argparse.Namespace, tmp: str)
                 print(f"--- py-spy of the engine core, constrained share {r:g} ---", file=sys.stderr)
                 stop_profile(spy, spy_path, top=45)
             out["runs"][f"{r:g}"] = res
-            log(f"structured share {r:g}: {res['output_tok_per_s']:.0f} tok/s, TPOT {res['mean_tpot_ms']:.2f} ms, "
-                f"failed {res['failed']}")
+            log(f"structured share {r:g}, {fill_threads} fill threads: {res['output_tok_per_s']:.0f} tok/s, "
+                f"TPOT {res['mean_tpot_ms']:.2f} ms, failed {res['failed']}")
     finally:
         out["exit_code"] = stop_server(proc)
         text = Path(log_path).read_text()
@@ -284,6 +298,8 @@ def main() -> int:
     p.add_argument("--guidellm-count", default=None, help="also run guidellm against this --api-server-count")
     p.add_argument("--structured-ratios", default=None, metavar="R,R,...",
                    help="also serve with these shares of JSON-schema requests (e.g. 0,0.2,0.8,1)")
+    p.add_argument("--fill-threads", default="1", metavar="N,N,...",
+                   help="structured runs: a server per --structured-outputs-fill-threads value, same host")
     p.add_argument("--structured-count", default="auto", help="--api-server-count of the structured runs")
     p.add_argument("--profile-core-ratio", type=float, default=None, metavar="R",
                    help="py-spy the engine core (all threads) during the structured run of share R")
@@ -330,11 +346,12 @@ def main() -> int:
     offline_tps = result["offline_tuned"]["tok_per_s"]
     print_table(result, offline_tps)
     if "structured" in result:
-        rel = result["structured"].get("relative_to_unconstrained", {})
         print("| constrained share | tok/s | / unconstrained | TPOT ms | failed |\n|---|---|---|---|---|")
-        for k, v in result["structured"]["runs"].items():
-            print(f"| {k} | {v['output_tok_per_s']:.0f} | {rel.get(k, float('nan')):.3f} | {v['mean_tpot_ms']:.2f} | "
-                  f"{v['failed']} |")
+        for n, st in result["structured"].get("by_fill_threads", {"": result["structured"]}).items():
+            rel = st.get("relative_to_unconstrained", {})
+            for k, v in st["runs"].items():
+                print(f"| {k}{f' ({n} fill threads)' if n else ''} | {v['output_tok_per_s']:.0f} | "
+                      f"{rel.get(k, float('nan')):.3f} | {v['mean_tpot_ms']:.2f} | {v['failed']} |")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return 0

@@ -95,6 +95,10 @@ class EngineConfig(StrictModel):
     structured_outputs_backend: Literal["xgrammar", "guidance"] = Field(
         "xgrammar", description="grammar library of structured outputs (JSON schema, regex, choice, grammar): "
                                 "xgrammar or guidance (llguidance)")
+    structured_outputs_fill_threads: int = Field(
+        1, ge=1, le=64, description="threads that fill a step's token bitmask on a CUDA engine, each a share of "
+                                    "the constrained rows (at least 32 rows a share); more shorten the fill when "
+                                    "the host has idle cores")
     speculative_config: Optional[SpeculativeConfig] = Field(
         None, description="speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                           "(method ngram: prompt_lookup_min/max; draft_model: model; disable_by_batch_size)")

@@ -111,6 +111,9 @@ class EngineCoreLoop:
                 self._stats = self.core.make_stats(self.idle_seconds)
                 self._publish(outputs, everyone=went_idle)
                 changed = False
+                # A constrained step's bitmask may have filled while the outputs went out:
+                # its sampling call goes now, not after the next messages are applied.
+                self.core.send_filled_sampling()
 
     def _publish(self, outputs: list[EngineCoreOutput], everyone: bool) -> None:
         """One batch per front end with outputs (every front end if ``everyone``), routed by owner."""

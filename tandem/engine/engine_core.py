@@ -24,11 +24,12 @@ in flight that samples one of the step's constrained requests, sampling is defer
 oldest step is completed first (its tokens advance the grammars) while the new forward
 runs, then the bitmask is filled (on CUDA, on the structured-output manager's fill thread,
 while this thread finishes the completed step and schedules the next) and ``sample_tokens``
-sent as soon as this thread finds the bitmask filled (before scheduling the next step, or
-before building its inputs), at the latest just before the next launch. Otherwise it is
-sent at once. No step is launched while
-another awaits its sampling call, so the worker always sees forward N, sample N, forward
-N+1, sample N+1. A step without constrained requests is one call, exactly as before.
+sent as soon as this thread finds the bitmask filled (after the serving loop has sent the
+completed step's outputs, before scheduling the next step, or before building its inputs),
+at the latest just before the next launch. Otherwise it is sent at once. No step is
+launched while another awaits its sampling call, so the worker always sees forward N,
+sample N, forward N+1, sample N+1. A step without constrained requests is one call, exactly
+as before.
 
 **Interrupts** (Ctrl-C, a signal handler's exception) never leave the engine half-changed:
 the bookkeeping sections run under ``tandem.interrupts.deferred_interrupts``; a step whose
@@ -126,7 +127,8 @@ class EngineCore:
         self.structured = StructuredOutputManager(config.structured_outputs_backend, model_config.tokenizer,
                                                   model_config.vocab_size, list(model_config.eos_token_ids),
                                                   pin_bitmasks=cuda and config.resolved_executor == "uniproc",
-                                                  background_fills=cuda)
+                                                  background_fills=cuda,
+                                                  fill_threads=config.structured_outputs_fill_threads)
         self.scheduler = Scheduler(
             self.kv_cache,
             max_num_seqs=model_config.max_num_seqs,
@@ -233,7 +235,7 @@ class EngineCore:
         step: Optional[InFlightStep] = None
         try:
             with deferred_interrupts():
-                self._send_filled_sampling()
+                self.send_filled_sampling()
                 so = self.scheduler.schedule()
                 if so.is_empty:
                     so = None
@@ -244,7 +246,7 @@ class EngineCore:
                 # must precede the next forward on the device (which reads its tokens). The
                 # next step's inputs are built before (while the fill may still run), so
                 # only its upload and launch follow the sampling call.
-                self._send_filled_sampling()
+                self.send_filled_sampling()
                 if self.prepare_ahead and any(w.output is None for w in self.batch_queue):
                     self.executor.prepare_model(so)
                 for waiting in self.batch_queue:
@@ -334,15 +336,17 @@ class EngineCore:
         step.grammar = None
         step.output = self.executor.sample_tokens(grammar)
 
-    def _send_filled_sampling(self) -> None:
+    def send_filled_sampling(self) -> None:
         """Send the sampling call of a step whose bitmask is already filled, without waiting
         for the next step's scheduling and inputs: the device samples as soon as the running
         forward ends (instead of idling until the next launch), so that step's tokens are
         back when this thread comes to wait for them. The order on the device is the same:
-        a step's sampling always precedes the next forward."""
-        for step in self.batch_queue:
-            if step.output is None and step.grammar is not None and step.grammar.done():
-                self._send_sampling(step)
+        a step's sampling always precedes the next forward. The serving loop also calls it
+        between a step's outputs and the next messages (``EngineCoreLoop``)."""
+        with deferred_interrupts():
+            for step in self.batch_queue:
+                if step.output is None and step.grammar is not None and step.grammar.done():
+                    self._send_sampling(step)
 
     @staticmethod
     def _fail_sampling(step: InFlightStep, exc: Exception) -> None:

@@ -244,12 +244,13 @@ class FillThreads:
 # more than a few rows do.
 BACKGROUND_FILL_ROWS = 8
 # Background fill threads, each filling a contiguous share of a step's rows (at least
-# MIN_ROWS_PER_FILL_THREAD rows a share). One: on an H100 host two threads took 1.64 ms for
-# 128 rows each, where one thread on an H200 host took 1.04 ms for 256 and the other step
-# sections ran ~1.5x faster there, so the split bought no parallel speed-up while it takes
-# more CPU from the API servers (``structured_offline.py --fill-lanes``, RESULTS.md; no
-# same-host comparison yet). Why the shares do not run in parallel (a CPU quota, SMT
-# siblings, a lock in the backend) is not known.
+# MIN_ROWS_PER_FILL_THREAD rows a share); ``EngineConfig.structured_outputs_fill_threads``
+# sets the count. One by default: a served engine shares the host with its API servers, and
+# the shares' speed-up on a GPU host is not measured against one thread on the same host
+# (the earlier figures, 1.64 ms for 128 rows a thread on a slow H100 host against 1.04 ms for
+# 256 on one H200-host thread, came from different hosts; ``gpu_serve.py --fill-threads``
+# compares them on one host). On the 2-core CPU machine two threads fill 256 rows in 0.87 ms
+# against 1.56 ms on one (the fill releases the GIL).
 FILL_THREADS = 1
 MIN_ROWS_PER_FILL_THREAD = 32
 
@@ -257,7 +258,7 @@ MIN_ROWS_PER_FILL_THREAD = 32
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: str, vocab_size: int, stop_token_ids: list[int],
                  max_workers: Optional[int] = None, cache_size: int = 256, pin_bitmasks: bool = False,
-                 background_fills: bool = True) -> None:
+                 background_fills: bool = True, fill_threads: int = FILL_THREADS) -> None:
         self.backend_name = backend
         self.tokenizer_path = tokenizer
         self.vocab_size = vocab_size
@@ -277,7 +278,7 @@ class StructuredOutputManager:
         self.pin_bitmasks = pin_bitmasks
         # Threads that fill step bitmasks in the background (``start_grammar_output``), each
         # a share of the rows; the fills of the step in flight, if any.
-        self._fill_threads = FillThreads("tandem-fill", FILL_THREADS)
+        self._fill_threads = FillThreads("tandem-fill", fill_threads)
         self._fills: Sequence["Future[None]"] = ()
         # Off (no row count qualifies) for an engine whose model runs on the CPU: there the
         # forward's OpenMP team needs every core, and a fill beside it stalls its parallel

@@ -226,6 +226,78 @@ def test_a_filled_bitmask_is_sent_before_the_next_step_is_scheduled_and_equals_s
     e.shutdown()
 
 
+def test_fill_threads_come_from_the_engine_config(tiny_llama):
+    """``structured_outputs_fill_threads`` (``--structured-outputs-fill-threads``) sizes the
+    manager's fill threads; below one it is refused."""
+    e = engine(tiny_llama, True, structured_outputs_fill_threads=3)
+    assert e.core.structured._fill_threads.num_threads == 3
+    e.shutdown()
+    with pytest.raises(ValueError, match=r"structured_outputs_fill_threads must be an integer in \[1, 64\], got 0"):
+        EngineConfig(model=tiny_llama, structured_outputs_fill_threads=0)
+
+
+def serve_with_loop(e: LLMEngine, requests: list) -> dict[str, list[int]]:
+    """Run ``requests`` (all sent at once) through an ``EngineCoreLoop`` over ``e``'s core,
+    as the serving process does; each request's tokens."""
+    from tandem.engine.core_loop import EngineCoreLoop
+    from tandem.engine.messages import CoreInput
+
+    inbox = [CoreInput(client_index=0, hello=True, adds=requests)]
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    ended: set[str] = set()
+
+    def recv(timeout_s: float):
+        if inbox:
+            return inbox.pop()
+        return CoreInput(shutdown=True) if len(ended) == len(requests) and not e.core.has_work() else None
+
+    def send(client: int, batch) -> None:
+        for o in batch.outputs:
+            tokens[o.req_id] += o.new_token_ids
+            if o.finish_reason is not None:
+                ended.add(o.req_id)
+
+    EngineCoreLoop(e.core, recv, send, heartbeat_s=30).run()
+    return tokens
+
+
+def test_the_serving_loop_sends_a_filled_bitmask_after_publishing_and_equals_sync(tiny_llama, monkeypatch):
+    """Async, fills seen as "running" inside ``step()`` and as done outside it: the deferred
+    sampling call goes out from the serving loop, after the outputs are published and before
+    the next messages and step, and the tokens equal the sync engine's."""
+    from tandem.engine.messages import EngineCoreRequest
+    from tandem.structured_output.manager import PendingGrammarOutput
+
+    def requests() -> list:
+        cons = [EngineCoreRequest(f"c{i}", [5 + i, 6, 7], constrained(6 + 3 * i), [], 6 + 3 * i) for i in range(3)]
+        free = [EngineCoreRequest(f"u{i}", [8, 9, i + 3], SamplingParams(temperature=0.8, seed=40 + i,
+                                                                         max_tokens=4 + 5 * i), [], 4 + 5 * i,
+                                  sample_seed=40 + i)
+                for i in range(3)]
+        return cons + free
+
+    expected = serve_with_loop(engine(tiny_llama, False), requests())
+    e = engine(tiny_llama, True)
+    in_step = [False]
+    step = e.core.step
+
+    def spy_step():
+        in_step[0] = True
+        try:
+            return step()
+        finally:
+            in_step[0] = False
+
+    monkeypatch.setattr(e.core, "step", spy_step)
+    monkeypatch.setattr(PendingGrammarOutput, "done", lambda self: not in_step[0])
+    calls = record_calls(monkeypatch, e.core.executor, {"sample_tokens": lambda g: ("sample", in_step[0])})
+    got = serve_with_loop(e, requests())
+    assert got == expected and all(got.values())
+    assert e.core.stats.num_sampling_deferred > 0
+    assert ("sample", False) in calls, calls  # sent by the loop, outside a step
+    e.shutdown()
+
+
 def test_a_step_built_ahead_then_interrupted_before_its_launch_leaves_nothing_behind(tiny_llama, monkeypatch):
     """An interrupt between building a step ahead and launching it abandons the step (its
     requests fail); the inputs built for it are dropped, and later requests decode exactly
