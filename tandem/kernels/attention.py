@@ -68,6 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels import pdl
 from tandem.kernels.splits import choose_num_kv_splits
 
 __all__ = ["write_kv_cache", "paged_attention", "choose_num_kv_splits", "is_interpreting"]
@@ -172,10 +173,14 @@ def _paged_attn_kernel(
     SEQ_GRID: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if PDL:  # (tandem.kernels.pdl) everything below reads the step's own data
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
     # -- which sequence / query tile -------------------------------------------------
     if SEQ_GRID:
@@ -285,9 +290,13 @@ def _merge_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    if PDL:  # (tandem.kernels.pdl)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     if tok >= tl.load(qsl_ptr + num_seqs):  # token past the batch (graph padding): untouched
         return
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -498,6 +507,7 @@ def paged_attention(
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=8 if big else 4,
         num_stages=2 if big else 3,
+        **pdl.launch_options(),
     )
     if num_kv_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -509,5 +519,6 @@ def paged_attention(
             NUM_SPLITS=num_kv_splits,
             SPLITS_PAD=max(2, _next_pow2(num_kv_splits)),
             num_warps=4 if head_dim_pad >= 128 else 2,
+            **pdl.launch_options(),
         )
     return out

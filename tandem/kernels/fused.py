@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels import pdl
+
 
 def _pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
@@ -130,8 +132,12 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, cach
                             stride_ckv, stride_cslot, stride_ch, stride_cd, QK_NORM: tl.constexpr,
                             NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                             ROT_DIM: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
-                            HALF_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TAIL_PAD: tl.constexpr):
+                            HALF_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TAIL_PAD: tl.constexpr,
+                            PDL: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
+    if PDL:  # (tandem.kernels.pdl) everything below reads the step's own data
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     dt = q_ptr.dtype.element_ty
     cdt = cache_ptr.dtype.element_ty
@@ -226,7 +232,7 @@ def rotary_write_kv_cache_(positions: torch.Tensor, q: torch.Tensor, k: torch.Te
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4), QK_NORM=qk_norm is not None,
         NUM_Q=nq, NUM_K=nk, HEAD_DIM=d, HALF=half, ROT_DIM=rotary_dim, Q_HEADS_PAD=_pow2(nq),
         K_HEADS_PAD=_pow2(nk), HALF_PAD=_pow2(half), HEAD_DIM_PAD=_pow2(d), TAIL_PAD=_pow2(max(1, d - rotary_dim)),
-        num_warps=4)
+        num_warps=4, **pdl.launch_options())
 
 
 # -- SiLU and multiply ---------------------------------------------------------------------

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels import pdl
+
 # Batches of at most this many rows may take the GEMV path; larger ones are GEMMs (cuBLAS).
 MAX_ROWS = 8
 # Models whose merged gate_up weight has at most this many elements take it at batch 1 by
@@ -45,12 +47,34 @@ def auto_max_rows(hidden_size: int, intermediate_size: int) -> int:
 
 
 @triton.jit
+def _gemv_chunk(acc, acc_up, w, wu, x_ptrs, r_ptrs, nw_ptrs, x_mask, k_ok, rstd3, dt: tl.constexpr,
+                NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr):
+    """Accumulate one feature chunk of the multi-tile path: load the input chunk, normalize
+    it with the rows' ``rstd3`` (after adding the residual), multiply by the loaded weights."""
+    x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+    if NORM:
+        if HAS_RES:
+            r = tl.load(r_ptrs, mask=x_mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+        normed = (x.to(tl.float32) * rstd3).to(dt)
+        nw = tl.load(nw_ptrs, mask=k_ok, other=0.0)
+        x = (nw.to(tl.float32) * normed.to(tl.float32)).to(dt)
+    xf = x.to(tl.float32)
+    acc += xf * w.to(tl.float32)
+    if SILU:
+        acc_up += xf * wu.to(tl.float32)
+    return acc, acc_up
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
                  M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_rom, up_offset, eps,
                  NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                 ONE_TILE: tl.constexpr):
+                 ONE_TILE: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     dt = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, M_PAD)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -66,13 +90,17 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
     m_ok3 = m3 < M
     n_ok3 = n3 < N
 
-    if ONE_TILE:  # K <= BLOCK_K
-        # One tile: the weight loads go out first, and the norm's statistics come from the
-        # same input load the projection uses.
-        k_ok3 = k3 < K
-        w = tl.load(w3 + k3, mask=n_ok3 & k_ok3, other=0.0)
-        if SILU:
-            wu = tl.load(w3 + up_offset * stride_wn + k3, mask=n_ok3 & k_ok3, other=0.0)
+    # The first (or only) tile's weights are loaded first: with PDL, while the kernel before
+    # this one still runs (weights are never written during a step; the input and every
+    # store wait for it).
+    k_ok3 = k3 < K
+    w = tl.load(w3 + k3, mask=n_ok3 & k_ok3, other=0.0)
+    wu = w
+    if SILU:
+        wu = tl.load(w3 + up_offset * stride_wn + k3, mask=n_ok3 & k_ok3, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if ONE_TILE:  # K <= BLOCK_K: the norm's statistics come from the input load the projection uses
         x = tl.load(x3 + k3, mask=m_ok3 & k_ok3, other=0.0)
         if NORM:
             if HAS_RES:
@@ -87,9 +115,11 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
             x = (nw.to(tl.float32) * normed.to(tl.float32)).to(dt)
         xf = x.to(tl.float32)
         acc = xf * w.to(tl.float32)
+        acc_up = acc
         if SILU:
             acc_up = xf * wu.to(tl.float32)
     else:
+        rstd3 = tl.full([M_PAD, 1, 1], 1.0, dtype=tl.float32)
         if NORM:  # pass 1: each row's mean square (and, from program 0, the new residual stream)
             ss = tl.zeros([M_PAD], dtype=tl.float32)
             m_ok = offs_m < M
@@ -108,27 +138,17 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
                 hf = h.to(tl.float32)
                 ss += tl.sum(hf * hf, axis=1)
             rstd3 = tl.rsqrt(ss / K + eps)[:, None, None]
-        acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        if SILU:
-            acc_up = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        zero = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc, acc_up = _gemv_chunk(zero, zero, w, wu, x3 + k3, r3 + k3, nw_ptr + k3, m_ok3 & k_ok3, k_ok3, rstd3,
+                                  dt, NORM, HAS_RES, SILU)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             kk = k0 + k3
             k_ok3 = kk < K
             w = tl.load(w3 + kk, mask=n_ok3 & k_ok3, other=0.0)
             if SILU:
                 wu = tl.load(w3 + up_offset * stride_wn + kk, mask=n_ok3 & k_ok3, other=0.0)
-            x = tl.load(x3 + kk, mask=m_ok3 & k_ok3, other=0.0)
-            if NORM:
-                if HAS_RES:
-                    r = tl.load(r3 + kk, mask=m_ok3 & k_ok3, other=0.0)
-                    x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-                normed = (x.to(tl.float32) * rstd3).to(dt)
-                nw = tl.load(nw_ptr + kk, mask=k_ok3, other=0.0)
-                x = (nw.to(tl.float32) * normed.to(tl.float32)).to(dt)
-            xf = x.to(tl.float32)
-            acc += xf * w.to(tl.float32)
-            if SILU:
-                acc_up += xf * wu.to(tl.float32)
+            acc, acc_up = _gemv_chunk(acc, acc_up, w, wu, x3 + kk, r3 + kk, nw_ptr + kk, m_ok3 & k_ok3, k_ok3,
+                                      rstd3, dt, NORM, HAS_RES, SILU)
 
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
@@ -203,7 +223,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         M, N, K, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0), N, float(eps),
         NORM=norm is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None, SILU=silu,
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, NORM_BLOCK=norm_block, ONE_TILE=K <= block_k,
-        num_warps=warps)
+        num_warps=warps, **pdl.launch_options())
     if residual is not None:
         return out, res_out
     return out

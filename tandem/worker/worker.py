@@ -74,6 +74,9 @@ class Worker:
         # The GEMV kernels do not all-reduce a row-parallel layer's partial sums: one rank only.
         gemv = backend == "triton" and world_size == 1
         if backend == "triton":
+            from tandem.kernels import pdl
+
+            pdl.set_enabled(model_config.env.pdl and pdl.supported(self.device))
             use_fused_kernels(module)
             if gemv:
                 use_small_batch_gemv(module, _gemv_rows(model_config.env.gemv_max_rows, model_config.hf_config))
