@@ -31,9 +31,9 @@ class EnvSwitches:
       this many tokens (up to 8) run each projection as one fused GEMV
       (``tandem.kernels.gemv``); 0 keeps them on the GEMM path. Unset: one token, for models
       small enough that it measured faster (``tandem.kernels.gemv.auto_max_rows``).
-    - ``TANDEM_PDL`` (``pdl``): ``1`` launches the Triton decoder-layer kernels with
-      programmatic dependent launch (``tandem.kernels.pdl``) on a Hopper or later GPU, so
-      each may start while the one before it finishes; default off.
+    - ``TANDEM_PDL`` (``pdl``): the Triton decoder-layer kernels launch with programmatic
+      dependent launch (``tandem.kernels.pdl``) on a Hopper or later GPU, so each may start
+      while the one before it finishes (0.5B batch 1 on an H100: +8-14%); ``0`` turns it off.
     """
 
     cache_dir: str = "~/.cache/tandem"
@@ -41,7 +41,7 @@ class EnvSwitches:
     log_level: str = "WARNING"
     ray_wait_for_resources: bool = False
     gemv_max_rows: Optional[int] = None
-    pdl: bool = False
+    pdl: bool = True
 
     @classmethod
     def from_environ(cls, environ: Optional[dict[str, str]] = None) -> "EnvSwitches":
@@ -52,7 +52,7 @@ class EnvSwitches:
             log_level=(env.get("TANDEM_LOG_LEVEL") or cls.log_level).upper(),
             ray_wait_for_resources=env.get("TANDEM_RAY_WAIT_FOR_RESOURCES", "").lower() in ("1", "true", "yes"),
             gemv_max_rows=int(env["TANDEM_GEMV_MAX_ROWS"]) if env.get("TANDEM_GEMV_MAX_ROWS") else None,
-            pdl=env.get("TANDEM_PDL", "").lower() in ("1", "true", "yes"),
+            pdl=env.get("TANDEM_PDL", "1").lower() not in ("0", "false", "no"),
         )
 
     @property

@@ -20,7 +20,8 @@ def test_the_switch_and_its_launch_options():
     from tandem.config.model import EnvSwitches
     from tandem.kernels import pdl
 
-    assert EnvSwitches.from_environ({}).pdl is False
+    assert EnvSwitches.from_environ({}).pdl is True  # where the device supports it
+    assert EnvSwitches.from_environ({"TANDEM_PDL": "0"}).pdl is False
     assert EnvSwitches.from_environ({"TANDEM_PDL": "1"}).pdl is True
     assert not pdl.supported(torch.device("cpu"))
     was = pdl.enabled()
