@@ -15,8 +15,9 @@ and plain kernels mix freely in one stream or graph.
 
 One switch for the process (``set_enabled``), set by the worker on a device that supports
 it unless ``TANDEM_PDL=0``; the kernels' wrappers read it at launch (a graph keeps what it
-captured). Off, the kernels compile exactly as before. Measured on an H100 (0.5B shape,
-batch 1, in CUDA graphs; ``benchmarks/RESULTS.md``): 1,082-1,126 -> 1,212-1,234 tok/s.
+captured). Off, the kernels compile without the grid-dependency instructions and launch
+plainly. Measured on an H100 (0.5B shape, batch 1, in CUDA graphs; ``benchmarks/RESULTS.md``):
+1,082-1,126 -> 1,212-1,234 tok/s.
 """
 from __future__ import annotations
 

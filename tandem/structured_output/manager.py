@@ -246,11 +246,11 @@ BACKGROUND_FILL_ROWS = 8
 # Background fill threads, each filling a contiguous share of a step's rows (at least
 # MIN_ROWS_PER_FILL_THREAD rows a share); ``EngineConfig.structured_outputs_fill_threads``
 # sets the count. One by default: a served engine shares the host with its API servers, and
-# the shares' speed-up on a GPU host is not measured against one thread on the same host
-# (the earlier figures, 1.64 ms for 128 rows a thread on a slow H100 host against 1.04 ms for
-# 256 on one H200-host thread, came from different hosts; ``gpu_serve.py --fill-threads``
-# compares them on one host). On the 2-core CPU machine two threads fill 256 rows in 0.87 ms
-# against 1.56 ms on one (the fill releases the GIL).
+# on one (slow) H100 host 1, 2 and 4 threads served 100% constrained at 42.3k, 37.6k and
+# 46.0k tok/s, within the run-to-run noise (``gpu_serve.py --fill-threads``, RESULTS.md):
+# there the engine thread's own work, not the fill, bounds the step. On the 2-core CPU
+# machine two threads fill 256 rows in 0.87 ms against 1.56 ms on one (the fill releases
+# the GIL).
 FILL_THREADS = 1
 MIN_ROWS_PER_FILL_THREAD = 32
 
