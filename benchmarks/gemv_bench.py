@@ -127,12 +127,18 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--sweep", default="", help="comma list of shapes whose projections are also timed at other "
                     "block shapes (rows 1)")
+    ap.add_argument("--unroll", action="store_true",
+                    help="also time the GEMVs with tandem.kernels.gemv.UNROLL_K toggled")
+    ap.add_argument("--pdl", action="store_true", help="launch the GEMVs with programmatic dependent launch")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return
     from tandem.kernels import gemv as gemv_mod
+    from tandem.kernels import pdl
+
+    pdl.set_enabled(args.pdl and pdl.supported(torch.device("cuda")))
 
     results: list[dict[str, Any]] = []
     for shape in args.shapes.split(","):
@@ -152,8 +158,17 @@ def main() -> None:
                 row[tag] = dict(gemm_us=round(t_gemm, 1), gemv_us=round(t_gemv, 1),
                                 gemm_tb_s=round(nbytes / t_gemm / 1e6, 2), gemv_tb_s=round(nbytes / t_gemv / 1e6, 2),
                                 rel_max_diff=diff)
+                unrolled = ""
+                if args.unroll:  # the same GEMVs with the feature-tile loop unrolled
+                    default, gemv_mod.UNROLL_K = gemv_mod.UNROLL_K, not gemv_mod.UNROLL_K
+                    t_unr, out_unr = graph_us(lambda: stack(layers, xin, True, only))
+                    gemv_mod.UNROLL_K = default
+                    row[tag].update(gemv_unroll_toggled_us=round(t_unr, 1),
+                                    unroll_toggled_same_bits=bool(torch.equal(out_unr, out_gemv)))
+                    unrolled = f"  unroll {'on' if not default else 'off'} {t_unr:8.1f} us"
                 print(f"{shape} rows {m} {tag:12s} gemm {t_gemm:8.1f} us ({nbytes / t_gemm / 1e6:.2f} TB/s)  "
-                      f"gemv {t_gemv:8.1f} us ({nbytes / t_gemv / 1e6:.2f} TB/s)  rel diff {diff:.1e}", flush=True)
+                      f"gemv {t_gemv:8.1f} us ({nbytes / t_gemv / 1e6:.2f} TB/s)  rel diff {diff:.1e}{unrolled}",
+                      flush=True)
             if shape in args.sweep.split(",") and m == 1:
                 base = gemv_mod._config
                 sweep = []

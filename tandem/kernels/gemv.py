@@ -39,6 +39,10 @@ MAX_ROWS = 8
 # RESULTS.md): a 0.5B layer stack (gate_up of 8.7M elements) ran 694 -> 551 us a step at one
 # row, a 7B one (136M) 3% slower than cuBLAS, and two or more rows were slower at both sizes.
 AUTO_MAX_GATE_UP_NUMEL = 32 << 20
+# Unroll the feature-tile loop of inputs wider than one tile (a variant per input width), so
+# that all of a program's weight loads may be in flight together instead of one tile's at a
+# time. Off: not measured on a GPU yet (``gemv_bench.py --unroll``).
+UNROLL_K = False
 
 
 def auto_max_rows(hidden_size: int, intermediate_size: int) -> int:
@@ -67,11 +71,25 @@ def _gemv_chunk(acc, acc_up, w, wu, x_ptrs, r_ptrs, nw_ptrs, x_mask, k_ok, rstd3
 
 
 @triton.jit
+def _gemv_tile(acc, acc_up, k0, w3, x3, r3, nw_ptr, k3, n_ok3, m_ok3, K, up_offset, stride_wn, rstd3,
+               dt: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr):
+    """Load the weights of the feature tile at ``k0`` and accumulate it (``_gemv_chunk``)."""
+    kk = k0 + k3
+    k_ok3 = kk < K
+    w = tl.load(w3 + kk, mask=n_ok3 & k_ok3, other=0.0)
+    wu = w
+    if SILU:
+        wu = tl.load(w3 + up_offset * stride_wn + kk, mask=n_ok3 & k_ok3, other=0.0)
+    return _gemv_chunk(acc, acc_up, w, wu, x3 + kk, r3 + kk, nw_ptr + kk, m_ok3 & k_ok3, k_ok3, rstd3, dt, NORM,
+                       HAS_RES, SILU)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
                  M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_rom, up_offset, eps,
                  NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                 ONE_TILE: tl.constexpr, PDL: tl.constexpr):
+                 ONE_TILE: tl.constexpr, K_UNROLL: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -141,14 +159,14 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
         zero = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc, acc_up = _gemv_chunk(zero, zero, w, wu, x3 + k3, r3 + k3, nw_ptr + k3, m_ok3 & k_ok3, k_ok3, rstd3,
                                   dt, NORM, HAS_RES, SILU)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            kk = k0 + k3
-            k_ok3 = kk < K
-            w = tl.load(w3 + kk, mask=n_ok3 & k_ok3, other=0.0)
-            if SILU:
-                wu = tl.load(w3 + up_offset * stride_wn + kk, mask=n_ok3 & k_ok3, other=0.0)
-            acc, acc_up = _gemv_chunk(acc, acc_up, w, wu, x3 + kk, r3 + kk, nw_ptr + kk, m_ok3 & k_ok3, k_ok3,
-                                      rstd3, dt, NORM, HAS_RES, SILU)
+        if K_UNROLL > 0:  # the remaining tiles unrolled: every tile's loads can be in flight at once
+            for k0 in tl.static_range(BLOCK_K, K_UNROLL, BLOCK_K):
+                acc, acc_up = _gemv_tile(acc, acc_up, k0, w3, x3, r3, nw_ptr, k3, n_ok3, m_ok3, K, up_offset,
+                                         stride_wn, rstd3, dt, NORM, HAS_RES, SILU)
+        else:
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                acc, acc_up = _gemv_tile(acc, acc_up, k0, w3, x3, r3, nw_ptr, k3, n_ok3, m_ok3, K, up_offset,
+                                         stride_wn, rstd3, dt, NORM, HAS_RES, SILU)
 
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
@@ -223,7 +241,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         M, N, K, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0), N, float(eps),
         NORM=norm is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None, SILU=silu,
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, NORM_BLOCK=norm_block, ONE_TILE=K <= block_k,
-        num_warps=warps, **pdl.launch_options())
+        K_UNROLL=K if UNROLL_K and K > block_k else 0, num_warps=warps, **pdl.launch_options())
     if residual is not None:
         return out, res_out
     return out

@@ -145,3 +145,22 @@ def test_which_batches_take_it():
     assert _gemv_rows(EnvSwitches.from_environ({}).gemv_max_rows, qwen_05b) == 1
     assert _gemv_rows(EnvSwitches.from_environ({"TANDEM_GEMV_MAX_ROWS": "0"}).gemv_max_rows, qwen_05b) == 0
     assert _gemv_rows(EnvSwitches.from_environ({"TANDEM_GEMV_MAX_ROWS": "99"}).gemv_max_rows, qwen_05b) == MAX_ROWS
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_unrolled_feature_loop_gives_the_same_bits(monkeypatch, silu):
+    """``UNROLL_K`` (the multi-tile loop unrolled) sums the tiles in the same order."""
+    from tandem.kernels import gemv as mod
+
+    _interpreted()
+    torch.manual_seed(3)
+    K, N = 1100, 20
+    norm, w, _ = _layers(torch.float32, K, 2 * N if silu else N, bias=False)
+    x = torch.randn(2, K, device=DEV)
+    r = torch.randn(2, K, device=DEV)
+    monkeypatch.setattr(mod, "UNROLL_K", False)
+    want = mod.gemv(x, w, norm=(norm.weight, norm.eps), residual=r, silu=silu)
+    monkeypatch.setattr(mod, "UNROLL_K", True)
+    got = mod.gemv(x, w, norm=(norm.weight, norm.eps), residual=r, silu=silu)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
