@@ -29,8 +29,17 @@ _enabled = False
 
 
 def supported(device: torch.device) -> bool:
-    """PDL needs a CUDA device of compute capability 9.0 (Hopper) or later."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """PDL needs a CUDA device of compute capability 9.0 (Hopper) or later, and a Triton
+    that has the grid-dependency instructions and the ``launch_pdl`` launch option (3.3+)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        import triton.language.extra.cuda as cuda_extra
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return (hasattr(cuda_extra, "gdc_wait") and hasattr(cuda_extra, "gdc_launch_dependents")
+            and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}))
 
 
 def set_enabled(on: bool) -> None:
