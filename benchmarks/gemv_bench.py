@@ -129,16 +129,17 @@ def main() -> None:
                     "block shapes (rows 1)")
     ap.add_argument("--unroll", action="store_true",
                     help="also time the GEMVs with tandem.kernels.gemv.UNROLL_K toggled")
-    ap.add_argument("--pdl", action="store_true", help="launch the GEMVs with programmatic dependent launch")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return
+    from tandem.config.model import EnvSwitches
     from tandem.kernels import gemv as gemv_mod
     from tandem.kernels import pdl
 
-    pdl.set_enabled(args.pdl and pdl.supported(torch.device("cuda")))
+    # Launched as the engine launches them: with PDL where supported, unless TANDEM_PDL=0.
+    pdl.set_enabled(EnvSwitches.from_environ().pdl and pdl.supported(torch.device("cuda")))
 
     results: list[dict[str, Any]] = []
     for shape in args.shapes.split(","):
