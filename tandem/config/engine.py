@@ -99,6 +99,11 @@ class EngineConfig(StrictModel):
         1, ge=1, le=64, description="threads that fill a step's token bitmask on a CUDA engine, each a share of "
                                     "the constrained rows (at least 32 rows a share); more shorten the fill when "
                                     "the host has idle cores")
+    structured_outputs_sampling: Literal["auto", "gated", "split"] = Field(
+        "auto", description="how a constrained step samples: gated (launched with its forward, waiting on the "
+                            "device for the bitmask the engine core fills meanwhile on a thread of its own; a worker "
+                            "in the engine's process, no speculative decoding), split (a second call once the "
+                            "bitmask is filled, as vLLM does), auto (gated where it can run)")
     speculative_config: Optional[SpeculativeConfig] = Field(
         None, description="speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                           "(method ngram: prompt_lookup_min/max; draft_model: model; disable_by_batch_size)")

@@ -55,6 +55,7 @@ from tandem.scheduler.kv_cache import KVCacheManager
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.spec import SpecScheduling
 from tandem.structured_output import PendingGrammarOutput, StructuredOutputManager
+from tandem.structured_output.gated import Refusals
 from tandem.types.engine_output import EngineCoreOutput
 from tandem.types.request import Request
 from tandem.types.runner_output import ModelRunnerOutput
@@ -87,14 +88,16 @@ GRAMMAR_WAIT_S = 0.05
 
 @dataclass
 class InFlightStep:
-    """A launched step. ``output`` resolves to its tokens; for a constrained step it is None
-    until ``sample_tokens`` is sent, and ``forward`` is the future of the forward-only call.
-    ``grammar``: the step's bitmask, filling (``_start_sampling``), until it is sent."""
+    """A launched step. ``output`` resolves to its tokens; for a split constrained step it is
+    None until ``sample_tokens`` is sent, and ``forward`` is the future of the forward-only
+    call. ``grammar``: the step's bitmask, filling (``_start_sampling``), until it is sent.
+    ``gated``: a gated step's fill and accept futures (``StructuredOutputManager``)."""
 
     so: SchedulerOutput
     output: Optional[Future[ModelRunnerOutput]]
     forward: Optional[Future[Any]] = None
     grammar: Optional[PendingGrammarOutput] = None
+    gated: Optional[tuple[Future[None], Future[Refusals]]] = None
 
 
 @dataclass
@@ -108,6 +111,7 @@ class LoopStats:
     # forward ran while the engine completed that step and filled the bitmask).
     num_constrained: int = 0
     num_sampling_deferred: int = 0
+    num_gated: int = 0  # constrained steps sampled behind their bitmask's gate (one call)
 
 
 class EngineCore:
@@ -138,6 +142,7 @@ class EngineCore:
             spec=spec_scheduling(config),
             accept_grammar_tokens=self.structured.accept_tokens,  # type: ignore[arg-type]
         )
+        self.gated_sampling = self._use_gated_sampling(config)
         self.depth = config.max_concurrent_batches
         self.batch_queue: deque[InFlightStep] = deque()
         # Build a step's inputs before the sampling call it must follow (``_launch_next``);
@@ -153,6 +158,16 @@ class EngineCore:
         # Outputs produced but not returned yet: an interrupt after a step was applied (or
         # abandoned) defers them to the next ``step()``, it does not lose them.
         self._undelivered: list[EngineCoreOutput] = []
+
+    def _use_gated_sampling(self, config: EngineConfig) -> bool:
+        """Gated sampling needs the worker in this process (its gate and pinned bitmask do
+        not travel) and one mask row per request (no speculative decoding)."""
+        mode = config.structured_outputs_sampling
+        possible = self.executor.in_process and config.speculative_config is None
+        if mode == "gated" and not possible:
+            raise ValueError("structured_outputs_sampling='gated' needs the worker in the engine's process "
+                             "(executor uniproc, one GPU) and no speculative decoding")
+        return mode == "gated" or (mode == "auto" and possible)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -276,6 +291,8 @@ class EngineCore:
         once the grammars have the tokens before it (``_sample_deferred``)."""
         if not so.grammar_req_ids:  # one call: its future resolves to the output
             return InFlightStep(so, cast("Future[ModelRunnerOutput]", self.executor.execute_model(so)))
+        if self.gated_sampling:
+            return self._launch_gated(so)
         step = InFlightStep(so, None, self.executor.execute_model(so))
         self.stats.num_constrained += 1
         if self._grammars_current(so):
@@ -283,6 +300,18 @@ class EngineCore:
         else:
             self.stats.num_sampling_deferred += 1
         return step
+
+    def _launch_gated(self, so: SchedulerOutput) -> InFlightStep:
+        """One call, as for an unconstrained step: the bitmask's fill is queued on the gated
+        fill thread first (after the accepts of every earlier step), then the step (its
+        sampling waits on the device for the fill), then the accept of the step's own ids."""
+        requests = self.scheduler.step_requests(so.step_id, so.grammar_req_ids)
+        so.grammar, fill = self.structured.open_gated_step(so.step_id, so.grammar_req_ids, requests)
+        output = cast("Future[ModelRunnerOutput]", self.executor.execute_model(so))
+        accept = self.structured.accept_gated_step(so.grammar_req_ids, requests, output)
+        self.stats.num_constrained += 1
+        self.stats.num_gated += 1
+        return InFlightStep(so, output, gated=(fill, accept))
 
     def _grammars_current(self, so: SchedulerOutput) -> bool:
         """Every constrained request of ``so`` has received all its tokens before this step's
@@ -398,10 +427,14 @@ class EngineCore:
             with deferred_interrupts():
                 self._send_sampling(step)
         assert step.output is not None
+        refusals: Optional[Refusals] = None
         try:
             if step.forward is not None:
                 step.forward.result()  # the forward's own error, if it failed
             result = step.output.result()
+            if step.gated is not None:  # the fill's error fails the step; the accept's refusals
+                step.gated[0].result()
+                refusals = step.gated[1].result()
         except Exception as e:  # the step failed: fail its requests, keep the engine usable
             with deferred_interrupts():
                 self.batch_queue.popleft()
@@ -411,7 +444,7 @@ class EngineCore:
         with deferred_interrupts():
             self.batch_queue.popleft()
             self.stats.num_completed += 1
-            outs = self.scheduler.update_from_output(step.so, result, self._early_sampling())
+            outs = self.scheduler.update_from_output(step.so, result, self._early_sampling(), refusals)
             self._undelivered += self._attach_queue_times(outs) if self._queue_times else outs
 
     def _fail_inflight(self, so: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
@@ -427,7 +460,7 @@ class EngineCore:
                     later.grammar.result()
                 except Exception:
                     pass
-            for fut in (later.forward, later.output):  # a deferred step is never sampled now
+            for fut in (later.forward, later.output, *(later.gated or ())):  # a deferred step is never sampled now
                 if fut is not None:
                     try:
                         fut.result()

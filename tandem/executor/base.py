@@ -11,7 +11,9 @@ the step (``EngineCore._launch_next``).
 A step with constrained requests (``SchedulerOutput.grammar_req_ids``) takes two calls:
 ``execute_model`` runs the forward pass only, its future resolving to None, and
 ``sample_tokens(GrammarOutput)`` — sent before the next step's ``execute_model`` — applies
-the bitmask, samples, and its future resolves to the step's output.
+the bitmask, samples, and its future resolves to the step's output. A gated step (its
+``SchedulerOutput.grammar`` set; in-process executors only) is one call, as an
+unconstrained step is: the worker samples behind the bitmask's gate.
 """
 from __future__ import annotations
 
@@ -35,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 
 class Executor(abc.ABC):
+    # The worker runs in the engine's process: a step may carry objects that cannot travel
+    # (a gated step's bitmask and its gate, ``SchedulerOutput.grammar``).
+    in_process = False
+
     @abc.abstractmethod
     def execute_model(self, so: SchedulerOutput) -> "Future[Optional[ModelRunnerOutput]]":
         """Launch one step; the future resolves to its output (or raises its error) — to None

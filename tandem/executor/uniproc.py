@@ -51,11 +51,13 @@ class _StepFuture(Future):
 
 
 class UniProcExecutor(Executor):
+    in_process = True
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         self.worker = resolve_worker_class(config.worker_cls)(config, model_config)
 
     def execute_model(self, so: SchedulerOutput) -> "Future[Optional[ModelRunnerOutput]]":
-        return self._launch(self.worker.execute_model, so, forward_only=bool(so.grammar_req_ids))
+        return self._launch(self.worker.execute_model, so, forward_only=bool(so.grammar_req_ids) and so.grammar is None)
 
     def prepare_model(self, so: SchedulerOutput) -> None:
         self.worker.prepare_model(so)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import AbstractSet, Callable, Iterable, Optional
+from typing import AbstractSet, Callable, Iterable, Mapping, Optional
 
 from tandem.scheduler.kv_cache import KVCacheManager
 from tandem.scheduler.spec import WAIT, SpecScheduling
@@ -424,10 +424,13 @@ class Scheduler:
 
     # -- results -----------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput,
-                           after_grammars: Optional[Callable[[], None]] = None) -> list[EngineCoreOutput]:
+                           after_grammars: Optional[Callable[[], None]] = None,
+                           refusals: Optional[Mapping[int, tuple[str, bool]]] = None) -> list[EngineCoreOutput]:
         """Apply a step's sampled tokens. ``after_grammars`` is called once the step's tokens
         have advanced the grammars of its constrained requests, before the rest of the
-        bookkeeping (the engine core sends the next step's bitmask from there)."""
+        bookkeeping (the engine core sends the next step's bitmask from there).
+        ``refusals``: the step's tokens have advanced the grammars already (gated sampling's
+        fill thread); the positions (in ``result``) a grammar refused, with the reason."""
         assert result.step_id == sched.step_id, "outputs must be applied in the order steps were scheduled"
         step_reqs = self._step_reqs.pop(sched.step_id)
         for req in step_reqs.values():
@@ -447,8 +450,11 @@ class Scheduler:
             assert self.spec is not None
             self.spec.apply(self, sched, result, step_reqs, outputs)
             req_ids = []
-        refused = self._advance_grammars(req_ids, result.sampled_token_ids, step_reqs) \
-            if self.num_grammar_requests else _NONE_REFUSED
+        if refusals is not None:
+            refused: AbstractSet[int] = refusals.keys()
+        else:
+            refused = self._advance_grammars(req_ids, result.sampled_token_ids, step_reqs) \
+                if self.num_grammar_requests else _NONE_REFUSED
         if after_grammars is not None:
             after_grammars()
         for k, (rid, token) in enumerate(zip(req_ids, result.sampled_token_ids)):
@@ -459,7 +465,7 @@ class Scheduler:
             req.num_output_placeholders -= 1
             assert req.num_output_placeholders >= 0, f"placeholders went negative: {req}"
             if k in refused:
-                outputs.append(self._grammar_refused(req, token))
+                outputs.append(self._grammar_refused(req, token, refusals.get(k) if refusals is not None else None))
                 continue
             out_ids = req.output_token_ids
             out_ids.append(token)
@@ -524,11 +530,13 @@ class Scheduler:
                 outs.append(plp_out)
             plp_out.prompt_logprobs = plps
 
-    def _grammar_refused(self, req: Request, token: int) -> EngineCoreOutput:
+    def _grammar_refused(self, req: Request, token: int, reason: Optional[tuple[str, bool]] = None
+                         ) -> EngineCoreOutput:
         """The sampled token breaks the request's constraint (the masked sampler cannot pick
-        one unless no token at all was allowed): end the request, without the token."""
+        one unless no token at all was allowed): end the request, without the token.
+        ``reason``: the grammar's explanation, when it was worked out already."""
         assert req.grammar is not None
-        error, request_fault = req.grammar.explain_refusal(token)
+        error, request_fault = reason or req.grammar.explain_refusal(token)
         logger.warning("request %s: %s", req.request_id, error)
         self._finish(req, RequestStatus.FINISHED_ERROR)
         return EngineCoreOutput(req.request_id, [], finish_reason="error", error=error,

@@ -27,11 +27,12 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 from tandem.sampling_params import StructuredOutputsParams
 from tandem.structured_output.backend import (CompiledGrammar, GrammarBackend, GrammarBackendError,
                                               GrammarCompileError, GrammarSpec, Matcher, create_backend)
+from tandem.structured_output.gated import GatedFills, Refusals
 from tandem.types.grammar import GrammarOutput
 from tandem.types.request import Request, RequestStatus
 
@@ -105,11 +106,16 @@ class RequestGrammarState:
         was banned: none at all (the vocabulary cannot spell what the constraint needs next)
         or only the stop token of a complete answer, which min_tokens forbids. Both are the
         request's fault; anything else would be the engine's."""
+        self._wait_fills()  # a background fill may be reading this matcher
+        return self.refusal_reason(token)
+
+    def refusal_reason(self, token: int) -> tuple[str, bool]:
+        """``explain_refusal`` on the thread that owns the matcher (gated sampling's fill
+        thread), which need not wait for a fill."""
         import torch
 
         assert self.matcher is not None
         row = torch.zeros((1, self._bitmask_words), dtype=torch.int32)
-        self._wait_fills()  # a background fill may be reading this matcher
         self.matcher.fill_bitmask(row, 0)
         bits = ((row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).reshape(-1)
         allowed = int(bits.sum())
@@ -287,6 +293,9 @@ class StructuredOutputManager:
         self.min_rows_per_fill_thread = MIN_ROWS_PER_FILL_THREAD
         self.num_background_fills = 0
         self.num_shared_fills = 0  # background fills spread over more than one thread
+        # Gated sampling's fill thread (inline on the CPU), made on the first gated step.
+        self._background_fills = background_fills
+        self._gated: Optional[GatedFills] = None
 
     # -- compilation -------------------------------------------------------------------------
     def grammar_for(self, params: StructuredOutputsParams) -> RequestGrammarState:
@@ -409,6 +418,34 @@ class StructuredOutputManager:
              for a, b in zip(bounds, bounds[1:])])
         return PendingGrammarOutput(out, self._fills)
 
+    # -- gated sampling (see tandem.structured_output.gated) ------------------------------------
+    @property
+    def gated(self) -> GatedFills:
+        if self._gated is None:
+            self._gated = GatedFills(self.bitmask_words, self.stop_token_ids, self._background_fills,
+                                     self.pin_bitmasks, lambda: self._backend)
+        return self._gated
+
+    def set_gated_background(self, on: bool) -> None:
+        """Run gated sampling's jobs on its thread (``on``) or inline from the next step on
+        (tests run the thread on the CPU, where the engine runs them inline)."""
+        if self._gated is not None:
+            self._gated.shutdown()
+            self._gated = None
+        self._background_fills = on
+
+    def open_gated_step(self, step_id: int, req_ids: list[str], requests: list[Request]
+                        ) -> tuple[GrammarOutput, "Future[None]"]:
+        """A gated step's ``GrammarOutput`` (its bitmask filling behind its gate), and the
+        future of the fill. Call at the step's launch, before ``execute_model``."""
+        return self.gated.open_step(step_id, req_ids, [r.grammar for r in requests])  # type: ignore[misc]
+
+    def accept_gated_step(self, req_ids: list[str], requests: list[Request], output: "Future[Any]"
+                          ) -> "Future[Refusals]":
+        """Advance the grammars of a gated step's ``req_ids`` by its sampled ids once
+        ``output`` has them (right after its launch); resolves to the refusals."""
+        return self.gated.accept_step(req_ids, [r.grammar for r in requests], output)  # type: ignore[misc]
+
     def set_fill_threads(self, threads: FillThreads) -> None:
         """Fill in the background on ``threads`` from now on (tests and benchmarks compare counts)."""
         self._wait_fills()
@@ -460,3 +497,5 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._fill_threads.shutdown()
+        if self._gated is not None:
+            self._gated.shutdown()

@@ -3,8 +3,10 @@ requests are constrained, and what the scheduler may ask of a request's grammar.
 
 The grammar work itself (compiling, matching, filling bitmasks) lives in
 ``tandem.structured_output``, in the engine core; the workers only apply a bitmask to the
-logits. A step with constrained requests is therefore run in two calls: the forward pass
-(``execute_model``), then ``sample_tokens(GrammarOutput)`` once the bitmask is known.
+logits. A step with constrained requests is run either in two calls, the forward pass
+(``execute_model``) and then ``sample_tokens(GrammarOutput)`` once the bitmask is known
+(split), or in one call whose sampling waits for the bitmask behind a gate (gated sampling,
+a worker in the engine's process: ``SchedulerOutput.grammar``).
 """
 from __future__ import annotations
 
@@ -31,6 +33,22 @@ class GrammarOutput:
     # drafts are allowed by its grammar; later drafts are cut (never accepted). None: one row each.
     num_rows: Optional[list[int]] = None
     num_valid_drafts: Optional[list[int]] = None
+    # Gated sampling (``SchedulerOutput.grammar``): the bitmask is still being filled when the
+    # worker gets it; ``gate`` says when it is done (a ``BitmaskGate``; typed Any for the
+    # codec, though a gated output never leaves the process). None: filled.
+    gate: Any = None
+
+
+class BitmaskGate(Protocol):
+    """When a gated step's bitmask is filled: once ``flag[0] >= seq``. ``flag`` is a
+    one-element int32 torch tensor in host memory (pinned for a CUDA worker, which waits on
+    the device: ``tandem.kernels.host_flag``)."""
+
+    flag: Any
+    seq: int
+
+    def wait(self) -> None:
+        """Block the calling thread until the bitmask is filled (a CPU worker)."""
 
 
 class RequestGrammar(Protocol):

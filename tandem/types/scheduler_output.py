@@ -1,7 +1,8 @@
 """What the scheduler sends down to the workers for one step (plain data).
 
-It crosses process boundaries unchanged, so it holds only ids, ints and lists. During
-decode only the delta travels: a cached request sends its new block ids, never its tokens.
+It crosses process boundaries unchanged, so it holds only ids, ints and lists (a gated
+step's ``grammar``, which holds tensors, never leaves the engine's process). During decode
+only the delta travels: a cached request sends its new block ids, never its tokens.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Optional
 import msgspec
 
 from tandem.sampling_params import SamplingParams
+from tandem.types.grammar import GrammarOutput
 
 
 @dataclass
@@ -61,6 +63,10 @@ class SchedulerOutput:
     # once the engine core has filled their bitmask; when empty, one call does both.
     grammar_req_ids: list[str] = field(default_factory=list)
     num_draft_tokens: int = 0  # over all requests: > 0 makes the worker verify drafts
+    # Gated sampling (a worker in the engine's process): the bitmask of ``grammar_req_ids``,
+    # being filled while the forward runs; ``execute_model`` then samples too, behind its
+    # gate, and no ``sample_tokens`` follows.
+    grammar: Optional[GrammarOutput] = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

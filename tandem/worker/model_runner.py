@@ -15,10 +15,13 @@ One step, in order (all on the compute stream; the host never waits for the devi
 4. Sample, scatter the sampled ids into the token table (where step N+1 gathers them), and
    return an ``AsyncModelOutput`` whose host copy runs on a side stream.
 
-A step with constrained requests (structured outputs) stops after the LM head: step 4 runs
-in ``sample_tokens``, once the engine core has sent the token bitmask, which masks the
-logits (xgrammar's kernel: Triton on CUDA, C++ on the CPU) before the sampler. Such a step
-never takes the decode graph's own greedy choice (it ignored the grammar).
+A step with constrained requests (structured outputs) masks the logits with the token
+bitmask before the sampler (Triton on CUDA, xgrammar's C++ on the CPU) and never takes the
+decode graph's own greedy choice (it ignored the grammar). Split, it stops after the LM
+head and step 4 runs in ``sample_tokens``, once the engine core has sent the bitmask. Gated
+(``SchedulerOutput.grammar``), step 4 follows at once, behind a wait for the bitmask that
+the engine core is filling meanwhile: on CUDA a wait queued on the stream, so the host
+goes on (``tandem.kernels.host_flag``).
 """
 from __future__ import annotations
 
@@ -739,10 +742,25 @@ class ModelRunner:
         forward = LaunchedForward(so.step_id, req_ids, logits, sampling, dest, prompt_out, verify, masked,
                                   layout.num_rows if layout is not None and layout.num_drafts else None,
                                   layout.num_rows if layout is not None else None)
+        if so.grammar is not None:  # gated: sample now, behind the wait for the bitmask
+            self._await_gate(so.grammar)
+            return self._sample(forward, so.grammar)
         if so.grammar_req_ids:
             self._pending = forward
             return None
         return self._sample(forward, None)
+
+    def _await_gate(self, grammar: GrammarOutput) -> None:
+        """Make what follows wait until the gated bitmask is filled: on CUDA a wait queued on
+        the stream (the copies of the bitmask that ``_sample`` queues read it after that), on
+        the CPU (or a bitmask not in pinned memory, copied at once) here, on the host."""
+        gate = grammar.gate
+        if self.device.type == "cuda" and grammar.bitmask.is_pinned():
+            from tandem.kernels.host_flag import wait_for_host_flag
+
+            wait_for_host_flag(gate.flag, gate.seq)
+        else:
+            gate.wait()
 
     def _static_read(self, out: AsyncModelOutput, static: bool = True) -> AsyncModelOutput:
         """``out``'s ids are a view of a graph's output buffer, which the next replay of a

@@ -37,10 +37,10 @@ def make_engine(model: str, async_scheduling: bool, **kw) -> LLMEngine:
 def engines(tiny_llama):
     cache: dict = {}
 
-    def get(setting: str, async_scheduling: bool) -> LLMEngine:
-        key = (setting, async_scheduling)
+    def get(setting: str, async_scheduling: bool, **kw) -> LLMEngine:
+        key = (setting, async_scheduling, tuple(sorted(kw.items())))
         if key not in cache:
-            cache[key] = make_engine(tiny_llama, async_scheduling, **SETTINGS[setting])
+            cache[key] = make_engine(tiny_llama, async_scheduling, **SETTINGS[setting], **kw)
         return cache[key]
 
     yield get
@@ -64,15 +64,17 @@ def test_random_workload_async_equals_sync(engines, setting, seed):
 def test_constrained_workload_async_equals_sync(engines, setting, seed):
     """Half the requests under a regex, choice or grammar (greedy and seeded, mixed with
     unconstrained ones, with preemption and chunked prefill in the crossed settings): async
-    equals sync token for token, every finished constrained output matches its constraint,
-    and async really deferred sampling behind an in-flight step, with its bitmasks filled
-    on the manager's fill threads while the engine thread went on (every fill of one row or
-    more here, shared among the threads from two rows; a served engine hands over fills of
-    ``BACKGROUND_FILL_ROWS`` rows or more, shared from ``MIN_ROWS_PER_FILL_THREAD`` a thread)."""
+    equals sync token for token, every finished constrained output matches its constraint.
+    The reference is the sync engine with gated sampling run inline (the CPU default); the
+    async engine here splits each constrained step and really deferred sampling behind an
+    in-flight step, with its bitmasks filled on the manager's fill threads while the engine
+    thread went on (every fill of one row or more here, shared among the threads from two
+    rows; a served engine hands over fills of ``BACKGROUND_FILL_ROWS`` rows or more, shared
+    from ``MIN_ROWS_PER_FILL_THREAD`` a thread). Gated async: the next test."""
     items = random_workload(seed * 104729 + 7, VOCAB, n_reqs=14, constrained=0.5)
     assert sum(w.pattern is not None for w in items) >= 3
     sync = run_workload(engines(setting, False), items)
-    e = engines(setting, True)
+    e = engines(setting, True, structured_outputs_sampling="split")
     e.core.structured.background_fill_rows = 1
     e.core.structured.min_rows_per_fill_thread = 1
     e.core.structured.set_fill_threads(FillThreads("tandem-fill", 2))  # (the default is 1 on a small host)
@@ -85,6 +87,27 @@ def test_constrained_workload_async_equals_sync(engines, setting, seed):
     assert e.core.stats.num_sampling_deferred > deferred
     assert e.core.structured.num_background_fills > background
     assert e.core.structured.num_shared_fills > shared
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("a", [False, True])
+def test_gated_constrained_workload_on_the_fill_thread_equals_sync(engines, setting, seed, a):
+    """Gated sampling with its jobs on the fill thread, as on CUDA (the CPU worker waits for
+    each bitmask on the host): the fills and the accepts run on that thread while the engine
+    thread goes on, and the tokens equal the sync engine's whose jobs ran inline."""
+    items = random_workload(seed * 104729 + 7, VOCAB, n_reqs=14, constrained=0.5)
+    sync = run_workload(engines(setting, False), items)
+    e = engines(setting, a, structured_outputs_sampling="gated")
+    e.core.structured.set_gated_background(True)
+    gated = e.core.stats.num_gated
+    got = run_workload(e, items)
+    assert_same(sync.outputs, got.outputs, items)
+    assert_follow_constraints(got.outputs, items)
+    assert e.core.stats.num_gated > gated and e.core.stats.num_sampling_deferred == 0
+    fills = e.core.structured.gated
+    assert fills.background and fills._thread is not None and fills._thread.is_alive()
 
 
 @pytest.mark.timeout(120)

@@ -148,7 +148,7 @@ def record_calls(monkeypatch, obj, labels: dict) -> list[tuple[str, int]]:
 def test_constrained_step_calls_keep_their_order(tiny_llama, monkeypatch):
     """Async: forward N, sample N, forward N+1, sample N+1 — never a forward between a
     constrained step's two calls — and deferred sampling really happens."""
-    e = engine(tiny_llama, True)
+    e = engine(tiny_llama, True, structured_outputs_sampling="split")
     calls = record_calls(monkeypatch, e.core.executor, {
         "execute_model": lambda so: ("forward" if so.grammar_req_ids else "step", so.step_id),
         "sample_tokens": lambda grammar: ("sample", grammar.step_id)})
@@ -177,7 +177,7 @@ def test_next_step_is_built_before_the_deferred_sampling_call_and_equals_sync(ti
     items += [WorkItem(f"u{i}", [8, 9, i + 3], SamplingParams(temperature=0.8, seed=40 + i, max_tokens=4 + 5 * i),
                        arrive_step=i) for i in range(4)]
     expected = run_workload(engine(tiny_llama, False, max_num_batched_tokens=12), items).outputs
-    e = engine(tiny_llama, True, max_num_batched_tokens=12)
+    e = engine(tiny_llama, True, structured_outputs_sampling="split", max_num_batched_tokens=12)
     ex = e.core.executor
     calls = record_calls(monkeypatch, ex, {"prepare_model": lambda so: ("prepare", so.step_id),
                                            "execute_model": lambda so: ("launch", so.step_id),
@@ -200,7 +200,7 @@ def test_a_filled_bitmask_is_sent_before_the_next_step_is_scheduled_and_equals_s
     items += [WorkItem(f"u{i}", [8, 9, i + 3], SamplingParams(temperature=0.8, seed=40 + i, max_tokens=4 + 5 * i),
                        arrive_step=i) for i in range(3)]
     expected = run_workload(engine(tiny_llama, False, max_num_batched_tokens=12), items).outputs
-    e = engine(tiny_llama, True, max_num_batched_tokens=12)
+    e = engine(tiny_llama, True, structured_outputs_sampling="split", max_num_batched_tokens=12)
     ex = e.core.executor
     scheduled: list[int] = []
     schedule = e.core.scheduler.schedule
@@ -277,7 +277,7 @@ def test_the_serving_loop_sends_a_filled_bitmask_after_publishing_and_equals_syn
         return cons + free
 
     expected = serve_with_loop(engine(tiny_llama, False), requests())
-    e = engine(tiny_llama, True)
+    e = engine(tiny_llama, True, structured_outputs_sampling="split")
     in_step = [False]
     step = e.core.step
 
@@ -305,7 +305,7 @@ def test_a_step_built_ahead_then_interrupted_before_its_launch_leaves_nothing_be
     from tandem.structured_output.manager import PendingGrammarOutput
 
     monkeypatch.setattr(PendingGrammarOutput, "done", lambda self: False)
-    e = engine(tiny_llama, True)
+    e = engine(tiny_llama, True, structured_outputs_sampling="split")
     ex = e.core.executor
     runner = ex.worker.runner
     orig_prepare, orig_exec = ex.prepare_model, ex.execute_model

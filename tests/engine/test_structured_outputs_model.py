@@ -85,19 +85,26 @@ def check_answers(outs, kinds) -> None:
 @pytest.fixture(scope="module")
 def llms(default_model_folder):
     out = {a: LLM(default_model_folder, async_scheduling=a, max_num_seqs=16) for a in (False, True)}
+    out[True].engine.core.structured.set_gated_background(True)  # as on CUDA: fills on the gated thread
+    out["split"] = LLM(default_model_folder, async_scheduling=True, max_num_seqs=16,
+                       structured_outputs_sampling="split")
     yield out
     for m in out.values():
         m.shutdown()
 
 
 def test_json_regex_choice_grammar_answers_valid_and_async_equals_sync(llms):
+    """Sync (gated, jobs inline), async gated (jobs on the fill thread) and async split all
+    give the same tokens."""
     convs, params, kinds = conversations()
     outs = {a: m.chat(convs, params, use_tqdm=False) for a, m in llms.items()}
     check_answers(outs[False], kinds)
-    for kind, s, a in zip(kinds, outs[False], outs[True]):
-        assert s.outputs[0].token_ids == a.outputs[0].token_ids, f"{kind}: async differs from sync"
+    for mode in (True, "split"):
+        for kind, s, a in zip(kinds, outs[False], outs[mode]):
+            assert s.outputs[0].token_ids == a.outputs[0].token_ids, f"{kind}: async ({mode}) differs from sync"
+    assert llms[True].engine.core.stats.num_gated > 0
+    assert llms["split"].engine.core.stats.num_sampling_deferred > 0
     core = llms[True].engine.core
-    assert core.stats.num_sampling_deferred > 0
     assert core.structured.num_compiles == len(SCHEMAS) + 3  # one per distinct constraint
 
 

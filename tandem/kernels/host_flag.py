@@ -1,0 +1,44 @@
+"""A stream waits on the device until a flag in host memory reaches a value: gated sampling.
+
+Why: a constrained step's sampling needs the token bitmask that the engine core fills on the
+host while the step's forward runs. Sent as a second call once the bitmask is filled, the
+sampling cost the engine thread a call per step and tied the device to the engine thread's
+timing. Gated, the engine thread launches the forward, this wait, the bitmask's copy and the
+masked sampling in one go; the fill thread raises the flag when the bitmask is ready, and the
+device goes on by itself (``tandem.structured_output.gated``).
+
+The flag is an int32 in page-locked host memory, which the device reads over the bus (with
+unified addressing a pinned buffer's host address is also its device address). The kernel
+is one warp polling it with volatile loads until ``flag >= target``; copies queued after it
+read the bitmask only then. The host writes the bitmask before the flag, and the device's
+copy engine reads it after seeing the flag.
+
+A bounded number of polls (``MAX_POLLS``, tens of seconds) keeps a flag that is never raised
+(a bug) from hanging the device for good: the step then samples with whatever the buffer
+holds, and the engine fails it (its fill reports the error).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Each poll is a read across the bus (about a microsecond): some tens of seconds in all.
+MAX_POLLS = 1 << 25
+
+
+@triton.jit
+def _wait_flag_kernel(flag_addr, target, max_polls):
+    ptr = flag_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
+    v = tl.load(ptr, volatile=True)
+    n = 0
+    while (v < target) & (n < max_polls):
+        v = tl.load(ptr, volatile=True)
+        n += 1
+
+
+def wait_for_host_flag(flag: torch.Tensor, target: int, max_polls: int = MAX_POLLS) -> None:
+    """Queue on the current stream a wait until ``flag[0] >= target`` (``flag``: int32, in
+    pinned host memory; ``max_polls`` bounds the wait)."""
+    assert flag.dtype == torch.int32 and (flag.is_pinned() or flag.device.type == "cpu")
+    _wait_flag_kernel[(1,)](flag.data_ptr(), target, max_polls, num_warps=1)

@@ -1,0 +1,231 @@
+"""Gated sampling: a constrained step launched in one call while its bitmask is filled.
+
+The split design (vLLM's, ``EngineCore`` with ``structured_outputs_sampling="split"``) sends a
+constrained step's sampling as a second call once the engine thread has advanced the grammars
+and seen the bitmask filled. Served on an H100 that cost the engine thread, the bound of a
+served step, 1.7x its unconstrained work per token: the accepts, the fill's hand-over and the
+sampling call all ran on it.
+
+Gated, the engine thread launches the forward *and* the masked sampling at once
+(``SchedulerOutput.grammar``); the sampling waits on the device for a flag that says the
+bitmask is filled (``tandem.kernels.host_flag``; a CPU worker waits on the host), so the
+device goes on as soon as the bitmask is there, whatever the engine thread is doing. All the
+grammar work runs here, on one thread of its own, in launch order:
+
+    launch S:  fill(S)    write S's bitmask, raise the flag to S's number
+               accept(S)  wait for S's sampled ids (their host copy), advance the matchers
+
+Every token a request of step S received came from an earlier step, whose accept precedes
+fill(S) on the thread: the matchers are current when S's rows are filled, with no wait on the
+engine thread. The engine thread touches no matcher of a live request: it reads accept(S)'s
+refusals (with their explanation, worked out here from the matcher that refused) when it
+applies step S. A fill that fails still raises its flag (the device never waits for ever)
+and fails its step.
+
+On the CPU (``background=False``) the jobs run inline as they are submitted: a CPU step's
+ids exist when its launch returns, so the order above holds with nobody waiting.
+
+The thread competes with the engine thread for the GIL whenever it leaves native code (a
+step's ids arrive; a fill returns). CPython lets a waiting thread in only after a switch
+interval of the holder's pure-Python work (5 ms by default), longer than a served step, so
+the interval is shortened to ``SWITCH_INTERVAL_S`` once the thread starts.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import sys
+import threading
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+from tandem.types.grammar import GrammarOutput
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.structured_output.backend import GrammarBackend
+    from tandem.structured_output.manager import RequestGrammarState
+
+logger = logging.getLogger(__name__)
+
+# The GIL switch interval while the gated fill thread runs (CPython's default is 5 ms).
+SWITCH_INTERVAL_S = 0.0002
+
+# A refused token: its position in the step's output, and why (``explain_refusal``).
+Refusals = dict[int, tuple[str, bool]]
+
+
+class BitmaskGate:
+    """``GrammarOutput.gate`` of a gated step: its bitmask is filled once ``flag[0] >= seq``.
+    ``flag`` is a one-element int32 tensor in host memory, pinned for a CUDA worker (which
+    waits on the device); ``wait`` blocks a CPU worker's thread."""
+
+    __slots__ = ("flag", "seq", "_owner")
+
+    def __init__(self, flag: "torch.Tensor", seq: int, owner: "GatedFills") -> None:
+        self.flag = flag
+        self.seq = seq
+        self._owner = owner
+
+    def wait(self) -> None:
+        self._owner.wait_filled(self.seq)
+
+
+class GatedFills:
+    """The fill thread of gated sampling (or the inline runner of its jobs on the CPU), its
+    flag and its bitmask buffers."""
+
+    def __init__(self, bitmask_words: int, stop_token_ids: frozenset[int], background: bool, pinned: bool,
+                 backend: Callable[[], Optional["GrammarBackend"]]) -> None:
+        import torch
+
+        self.words = bitmask_words
+        self.stop_token_ids = stop_token_ids
+        self.background = background
+        self.pinned = pinned
+        self._backend = backend
+        self.flag = torch.zeros(1, dtype=torch.int32, pin_memory=pinned)
+        self._flag_np = self.flag.numpy()
+        self._seq = 0
+        self._filled = threading.Condition()
+        # Bitmask buffers, used in turn. fill(S+1) starts after accept(S), i.e. after S's
+        # sampled ids reached the host, so S's sampling has copied S's bitmask by then.
+        self._bufs: list[Optional["torch.Tensor"]] = [None, None]
+        self._turn = 0
+        self._jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self.num_steps = 0
+
+    # -- the engine thread ------------------------------------------------------------------
+    def open_step(self, step_id: int, req_ids: list[str], grammars: Sequence["RequestGrammarState"]
+                  ) -> tuple[GrammarOutput, "Future[None]"]:
+        """At step ``step_id``'s launch: its ``GrammarOutput`` (a row per constrained request
+        that samples, in ``req_ids`` order, gated) and the future of its fill."""
+        self._seq += 1
+        seq = self._seq
+        bitmask = self._buffer(len(req_ids))
+        fut: "Future[None]" = Future()
+        self._submit(lambda: self._fill(seq, list(grammars), bitmask, fut))
+        self.num_steps += 1
+        return GrammarOutput(step_id, list(req_ids), bitmask, gate=BitmaskGate(self.flag, seq, self)), fut
+
+    def accept_step(self, req_ids: list[str], grammars: Sequence["RequestGrammarState"],
+                    output: "Future[Any]") -> "Future[Refusals]":
+        """Right after step S's launch: advance ``grammars`` (of ``req_ids``) by the ids the
+        step samples, once ``output`` (its ``ModelRunnerOutput`` future) has them. Resolves
+        to the refused positions of the output, with the reason."""
+        fut: "Future[Refusals]" = Future()
+        self._submit(lambda: self._accept(list(req_ids), list(grammars), output, fut))
+        return fut
+
+    def wait_filled(self, seq: int) -> None:
+        """Block until bitmask ``seq`` is filled (a CPU worker's wait)."""
+        with self._filled:
+            while int(self._flag_np[0]) < seq:
+                self._filled.wait()
+
+    def shutdown(self) -> None:
+        """Stop the thread after the jobs queued (each raises its flag)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join()
+
+    # -- jobs -------------------------------------------------------------------------------
+    def _submit(self, job: Callable[[], None]) -> None:
+        if not self.background:
+            job()
+            return
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the gated fill thread is shut down")
+            if self._thread is None:
+                if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+                    sys.setswitchinterval(SWITCH_INTERVAL_S)
+                self._thread = threading.Thread(target=self._run, name="tandem-gated-fill", daemon=True)
+                self._thread.start()
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+
+    def _fill(self, seq: int, grammars: list["RequestGrammarState"], bitmask: "torch.Tensor",
+              fut: "Future[None]") -> None:
+        """Fill one row per grammar (all ones where nothing constrains: an ended grammar, or
+        one that never compiled), then raise the flag, whatever happened."""
+        try:
+            live = [k for k, g in enumerate(grammars) if g.matcher is not None and not g.terminated]
+            if len(live) < len(grammars):
+                for k in set(range(len(grammars))).difference(live):
+                    bitmask[k].fill_(-1)
+            if live:
+                backend = self._backend()
+                assert backend is not None  # a matcher exists, so its backend does
+                backend.fill_bitmasks([grammars[k].matcher for k in live], bitmask, live)  # type: ignore[misc]
+        except BaseException as e:  # noqa: BLE001 - the step fails with it
+            fut.set_exception(e)
+        else:
+            fut.set_result(None)
+        finally:
+            with self._filled:
+                self._flag_np[0] = seq
+                self._filled.notify_all()
+
+    def _accept(self, req_ids: list[str], grammars: list["RequestGrammarState"], output: "Future[Any]",
+                fut: "Future[Refusals]") -> None:
+        try:
+            out = output.result()
+        except BaseException as e:  # noqa: BLE001 - the step failed: its requests fail with it
+            fut.set_exception(e)
+            return
+        try:
+            fut.set_result(self._advance(req_ids, grammars, out.req_ids, out.sampled_token_ids))
+        except BaseException as e:  # noqa: BLE001 - the engine fails the step
+            fut.set_exception(e)
+
+    def _advance(self, req_ids: list[str], grammars: list["RequestGrammarState"], out_ids: list[str],
+                 tokens: list[int]) -> Refusals:
+        """Advance each live grammar by its request's sampled id; the refused positions."""
+        if out_ids == req_ids:
+            where: Sequence[int] = range(len(req_ids))
+        else:
+            pos = {rid: k for k, rid in enumerate(out_ids)}
+            where = [pos[rid] for rid in req_ids]
+        live = [(k, g) for k, g in zip(where, grammars) if g.matcher is not None and not g.terminated]
+        if not live:
+            return {}
+        toks = [tokens[k] for k, _ in live]
+        backend = self._backend()
+        assert backend is not None
+        accepted = backend.accept_tokens([g.matcher for _, g in live], toks)  # type: ignore[misc]
+        stop = self.stop_token_ids
+        refused: Refusals = {}
+        if False not in accepted and stop.isdisjoint(toks):
+            return refused
+        for (k, g), ok, tok in zip(live, accepted, toks):
+            if not ok:
+                refused[k] = g.refusal_reason(tok)
+            elif tok in stop:
+                g.terminated = g.matcher.is_terminated  # type: ignore[union-attr]
+        return refused
+
+    def _buffer(self, rows: int) -> "torch.Tensor":
+        import torch
+
+        self._turn ^= 1
+        buf = self._bufs[self._turn]
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.empty((max(rows, 64), self.words), dtype=torch.int32, pin_memory=self.pinned)
+            self._bufs[self._turn] = buf
+        return buf[:rows]
