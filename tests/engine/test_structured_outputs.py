@@ -369,3 +369,168 @@ def test_front_end_imports_no_grammar_library_and_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# -- gated sampling (the default for a worker in the engine's process) ---------------------------
+def record_gated_jobs(e: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """The gated fill thread's jobs as they start: ("fill", sequence number of the bitmask)
+    and ("accept", step id); the fill of step S carries S's number, kept in ``seq_of``."""
+    from tandem.structured_output.gated import GatedFills
+
+    jobs: list[tuple[str, int]] = []
+    fill, accept = GatedFills._fill, GatedFills._accept
+
+    def spy_fill(self, seq, grammars, bitmask, fut):
+        jobs.append(("fill", seq))
+        return fill(self, seq, grammars, bitmask, fut)
+
+    def spy_accept(self, req_ids, grammars, output, fut):
+        out = output.result()
+        jobs.append(("accept", out.step_id))
+        return accept(self, req_ids, grammars, output, fut)
+
+    monkeypatch.setattr(GatedFills, "_fill", spy_fill)
+    monkeypatch.setattr(GatedFills, "_accept", spy_accept)
+    return jobs
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_gated_step_is_one_call_and_its_fill_follows_every_earlier_accept(tiny_llama, monkeypatch, background):
+    """Async, gated: a constrained step is one ``execute_model`` call (no ``sample_tokens``);
+    on the fill thread (or inline) each step's fill comes after the accepts of every step
+    launched before it and before its own accept, so a bitmask is always filled from
+    matchers that hold every token before its step; tokens equal sync."""
+    items = [WorkItem(f"c{i}", [5 + i, 6, 7], constrained(6 + 3 * i), arrive_step=i) for i in range(4)]
+    items += [WorkItem(f"u{i}", [8, 9, i + 3], SamplingParams(temperature=0.8, seed=40 + i, max_tokens=4 + 5 * i),
+                       arrive_step=i) for i in range(3)]
+    expected = run_workload(engine(tiny_llama, False, max_num_batched_tokens=12), items).outputs
+    e = engine(tiny_llama, True, max_num_batched_tokens=12)
+    assert e.core.gated_sampling
+    e.core.structured.set_gated_background(background)
+    steps: dict[int, int] = {}  # fill sequence number -> step id
+    calls = record_calls(monkeypatch, e.core.executor, {
+        "execute_model": lambda so: ("launch", so.step_id, so.grammar is not None),
+        "sample_tokens": lambda grammar: ("sample", grammar.step_id, False)})
+    open_step = e.core.structured.gated.open_step
+
+    def spy_open(step_id, req_ids, grammars):
+        out, fut = open_step(step_id, req_ids, grammars)
+        steps[out.gate.seq] = step_id
+        return out, fut
+
+    monkeypatch.setattr(e.core.structured.gated, "open_step", spy_open)
+    jobs = record_gated_jobs(e, monkeypatch)
+    got = run_workload(e, items).outputs
+    assert_same(expected, got, items)
+    assert not [c for c in calls if c[0] == "sample"] and any(gated for _, _, gated in calls)
+    order = [(kind, steps[n] if kind == "fill" else n) for kind, n in jobs]
+    gated_steps = sorted(steps.values())
+    assert [s for kind, s in order if kind == "fill"] == gated_steps  # in launch order
+    for k, (kind, sid) in enumerate(order):
+        if kind == "fill":
+            accepted_before = {s for kk, s in order[:k] if kk == "accept"}
+            assert accepted_before == {s for s in gated_steps if s < sid}, (sid, order[:k + 2])
+            assert ("accept", sid) in order[k + 1:]
+    assert e.core.stats.num_gated == len(gated_steps) and e.core.stats.num_sampling_deferred == 0
+    e.shutdown()
+
+
+def test_a_slow_fill_holds_the_cpu_worker_at_the_gate_and_tokens_equal_sync(tiny_llama, monkeypatch):
+    """Fills on the thread that take longer than the forward: the CPU worker waits at the
+    gate before it samples (it never reads a half-filled bitmask), and tokens equal sync."""
+    import time
+
+    from tandem.structured_output.gated import GatedFills
+
+    items = [WorkItem(f"c{i}", [5 + i, 6, 7], constrained(8), arrive_step=i) for i in range(3)]
+    items += [WorkItem("u", [8, 9], SamplingParams(temperature=0, max_tokens=10))]
+    expected = run_workload(engine(tiny_llama, False), items).outputs
+    e = engine(tiny_llama, True)
+    e.core.structured.set_gated_background(True)
+    fill = GatedFills._fill
+    waited = []
+    wait_filled = GatedFills.wait_filled
+
+    def slow_fill(self, *args):
+        time.sleep(0.02)
+        return fill(self, *args)
+
+    def spy_wait(self, seq):
+        waited.append(int(self.flag[0]) < seq)
+        return wait_filled(self, seq)
+
+    monkeypatch.setattr(GatedFills, "_fill", slow_fill)
+    monkeypatch.setattr(GatedFills, "wait_filled", spy_wait)
+    got = run_workload(e, items).outputs
+    assert_same(expected, got, items)
+    assert any(waited), "the worker never had to wait for a fill"
+    e.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["gated", "split"])
+@pytest.mark.parametrize("a", [False, True])
+def test_a_refused_token_ends_its_request_with_the_grammars_reason(tiny_llama, mode, a):
+    """A complete answer whose stop token min_tokens forbids leaves the masked sampler no
+    allowed token: the token it picks is refused, and the request ends with the grammar's
+    reason as its own fault (worked out on the gated fill thread, where the matcher lives);
+    the other requests go on."""
+    e = engine(tiny_llama, a, structured_outputs_sampling=mode)
+    if mode == "gated":
+        e.core.structured.set_gated_background(True)
+    e.add_request("c", [5, 6, 7], constrained(8, so=StructuredOutputsParams(choice=["t7"]), min_tokens=4))
+    e.add_request("u", [8, 9], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    done = {}
+    for _ in range(200):
+        for out in e.step():
+            if out.finished:
+                done[out.request_id] = out
+        if not e.has_unfinished_requests():
+            break
+    c = done["c"]
+    assert c.outputs[0].finish_reason == "error" and c.error_kind == INVALID_REQUEST
+    assert "only the stop token may follow, but min_tokens forbids it" in c.error
+    assert c.outputs[0].token_ids == [7]
+    assert len(done["u"].outputs[0].token_ids) == 6 and done["u"].error is None
+    e.shutdown()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_failing_gated_fill_fails_its_step_and_the_engine_goes_on(tiny_llama, monkeypatch, background):
+    """A fill that raises still opens its gate (the worker never waits for ever), fails its
+    step's requests with the error, and the engine serves the next requests as before."""
+    from tandem.structured_output.gated import GatedFills
+
+    e = engine(tiny_llama, True)
+    e.core.structured.set_gated_background(background)
+    fill = GatedFills._fill
+    calls = [0]
+
+    def failing(self, seq, grammars, bitmask, fut):
+        calls[0] += 1
+        if calls[0] == 3:
+            grammars = [None]  # the fill itself raises (no grammar state)
+        return fill(self, seq, grammars, bitmask, fut)
+
+    monkeypatch.setattr(GatedFills, "_fill", failing)
+    items = [WorkItem("c", [5, 6, 7], constrained(10)), WorkItem("u", [8, 9], SamplingParams(temperature=0,
+                                                                                          max_tokens=10))]
+    res = run_workload(e, items)
+    assert res.outputs["c"].outputs[0].finish_reason == "error" and "NoneType" in (res.outputs["c"].error or "")
+    assert e.core.stats.num_errors == 1
+    monkeypatch.setattr(GatedFills, "_fill", fill)
+    again = run_workload(e, [WorkItem("c2", [5, 6, 7], constrained(6))])
+    assert again.outputs["c2"].error is None and re.fullmatch(PATTERN, tiny_text(again.outputs["c2"].outputs[0].token_ids))
+    kv = e.core.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks
+    e.shutdown()
+
+
+def test_gated_sampling_needs_an_in_process_worker_and_no_speculation(tiny_llama):
+    """Asked for where it cannot run (a worker in another process), gated sampling is a clear
+    error; auto falls back to split steps there."""
+    with pytest.raises(ValueError, match="structured_outputs_sampling='gated' needs the worker in the engine"):
+        engine(tiny_llama, True, structured_outputs_sampling="gated",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    e = engine(tiny_llama, True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert not e.core.gated_sampling
+    e.shutdown()

@@ -225,28 +225,35 @@ def _constrained_params(n: int) -> list:
     return out
 
 
-def test_constrained_decoding_on_the_gpu_async_equals_sync(sharp_model):
-    """The split step on CUDA: decode graphs run the forward, the bitmask (pinned, copied
-    without a sync) masks the logits with xgrammar's kernel, sampling deferred behind the
-    next forward in async mode. fp32: async == sync exactly; every constrained output that
-    ended with EOS matches its regex."""
+@pytest.mark.parametrize("mode", ["gated", "split"])
+def test_constrained_decoding_on_the_gpu_async_equals_sync(sharp_model, mode):
+    """Constrained steps on CUDA: decode graphs run the forward, the bitmask (pinned, copied
+    without a sync) masks the logits. Split: sampling deferred behind the next forward in
+    async mode. Gated (the default): the sampling queued with the forward behind a wait on
+    the device for the fill thread's flag. fp32: async == sync exactly (the sync engine
+    gated either way); every constrained output that ended with EOS matches its regex."""
     import re
 
     prompts = _prompts(32, 5, 80, seed=5)
     params = _constrained_params(len(prompts))
     with _llm(sharp_model, dtype="float32", async_scheduling=False) as s:
         sync = _tokens(s, prompts, params)
-    with _llm(sharp_model, dtype="float32", async_scheduling=True) as a:
+    with _llm(sharp_model, dtype="float32", async_scheduling=True, structured_outputs_sampling=mode) as a:
         asyn = _tokens(a, prompts, params)
         core, runner = a.engine.core, a.engine.core.executor.worker.runner
-        assert core.stats.num_sampling_deferred > 0 and runner.stats_graph_steps > 0
+        assert runner.stats_graph_steps > 0
+        if mode == "split":
+            assert core.stats.num_sampling_deferred > 0
+        else:
+            assert core.stats.num_gated == core.stats.num_constrained > 0 and core.structured.gated.background
     assert asyn == sync
     for toks, sp in zip(sync, params):
         if sp.structured_outputs is not None and toks and toks[-1] == 1:
             assert re.fullmatch(CONSTRAINED_REGEX, "".join(f"t{t}" for t in toks[:-1]))
 
 
-def test_masked_sampling_graphs_equal_eager_masked_sampling(sharp_model):
+@pytest.mark.parametrize("mode", ["gated", "split"])
+def test_masked_sampling_graphs_equal_eager_masked_sampling(sharp_model, mode):
     """Greedy constrained steps sample through a masked sampling graph (bitmask rows
     scattered by sampled row, mask, argmax, token-table write): a decode step through its
     decode graph's, a mixed prefill step through its bucket's (logits copied in). In fp32
@@ -261,7 +268,8 @@ def test_masked_sampling_graphs_equal_eager_masked_sampling(sharp_model):
     half = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, structured_outputs=so if i % 2 else None)
             for i in range(len(prompts))]
     for async_scheduling in (True, False):
-        with _llm(sharp_model, dtype="float32", async_scheduling=async_scheduling) as llm:
+        with _llm(sharp_model, dtype="float32", async_scheduling=async_scheduling,
+                  structured_outputs_sampling=mode) as llm:
             runner = llm.engine.core.executor.worker.runner
             assert runner.masked_graphs and runner.masked_eager_graphs, "no masked sampling graph was captured"
             errors: list[str] = []
@@ -287,10 +295,11 @@ def test_masked_sampling_graphs_equal_eager_masked_sampling(sharp_model):
         assert graphed == eager, f"async={async_scheduling}"
 
 
-def test_constrained_steps_launch_without_hidden_synchronization(sharp_model):
-    """Both calls of a constrained step (forward; bitmask upload, mask, sample) run under
-    sync-debug mode "error"."""
-    with _llm(sharp_model, dtype="bfloat16") as llm:
+@pytest.mark.parametrize("mode", ["gated", "split"])
+def test_constrained_steps_launch_without_hidden_synchronization(sharp_model, mode):
+    """Both calls of a split constrained step (forward; bitmask upload, mask, sample), and
+    the one call of a gated step, run under sync-debug mode "error"."""
+    with _llm(sharp_model, dtype="bfloat16", structured_outputs_sampling=mode) as llm:
         runner = llm.engine.core.executor.worker.runner
         prompts = _prompts(8, 5, 40, seed=6)
         llm.generate(prompts, _constrained_params(len(prompts)), use_tqdm=False)  # warm: imports, Triton
