@@ -165,7 +165,10 @@ def run(args: argparse.Namespace, profile: bool
     blocks_per_req = -(-(args.input_len + args.output_len) // 16) + 1
     llm = LLM(device="cpu", worker_cls=f"{NullWorker.__module__}.NullWorker", max_num_seqs=bs,
               max_num_batched_tokens=max(2048, args.prefill_chunk), num_kv_blocks=bs * blocks_per_req + 16,
-              async_scheduling=not args.sync, block_size=16)
+              async_scheduling=not args.sync, block_size=16,
+              structured_outputs_sampling=args.structured_sampling)
+    if args.gated_thread:
+        llm.engine.core.structured.set_gated_background(True)
     timer = StepTimer(llm.engine)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     n_constrained = round(args.structured_ratio * bs)
@@ -214,6 +217,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--structured-ratio", type=float, default=0.0,
                     help="share of requests under bench serve's JSON schema (structured outputs)")
+    ap.add_argument("--structured-sampling", choices=["auto", "gated", "split"], default="auto",
+                    help="EngineConfig.structured_outputs_sampling (auto: gated here)")
+    ap.add_argument("--gated-thread", action="store_true",
+                    help="gated fills and accepts on their thread, as on CUDA (the null worker waits for "
+                         "each bitmask on the host, so compare the engine thread's CPU time)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.structured_ratio:
