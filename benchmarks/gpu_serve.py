@@ -208,28 +208,31 @@ def engine_core_pid(server_pid: int) -> int:
 
 
 def structured_runs(folder: str, count: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
-    """``structured_run`` for each of ``--fill-threads``, one server each; the first count's
-    result is the top level (the table), every count's under ``by_fill_threads``."""
-    counts = [int(c) for c in args.fill_threads.split(",")]
-    results = {}
-    for n in counts:
-        results[str(n)] = structured_run(folder, count, args, tmp, n)
-    out = dict(results[str(counts[0])])
-    if len(counts) > 1:
-        out["by_fill_threads"] = results
+    """``structured_run`` for each of ``--structured-sampling`` x ``--fill-threads``, one
+    server each, in turn; the first one's result is the top level (the table), every one's
+    under ``by_variant`` ("gated/1", "split/1", ...)."""
+    variants = [(m, int(n)) for m in args.structured_sampling.split(",") for n in args.fill_threads.split(",")]
+    results = {f"{m}/{n}": structured_run(folder, count, args, tmp, n, m) for m, n in variants}
+    out = dict(results[f"{variants[0][0]}/{variants[0][1]}"])
+    if len(variants) > 1:
+        out["by_variant"] = results
     return out
 
 
-def structured_run(folder: str, count: str, args: argparse.Namespace, tmp: str, fill_threads: int) -> dict[str, Any]:
-    """One server (``--structured-outputs-fill-threads fill_threads``); the same served
+def structured_run(folder: str, count: str, args: argparse.Namespace, tmp: str, fill_threads: int,
+                   sampling: str = "auto") -> dict[str, Any]:
+    """One server (``--structured-outputs-fill-threads fill_threads``,
+    ``--structured-outputs-sampling sampling``); the same served
     workload with a share of JSON-schema requests, for each of ``--structured-ratios`` (bench
     serve's default schema never closes, so every token of a constrained request is under
     the grammar and every request has the same length), ``--structured-rounds`` rounds of
     them interleaved, so that a drift of the host reaches every share alike; a run takes
     seconds, and one server's unconstrained runs varied by 7% on an H100 host."""
-    log_path = os.path.join(tmp, f"server-structured-{count}-{fill_threads}.log")
-    proc, port = start_server(folder, count, log_path, structured_outputs_fill_threads=fill_threads)
-    out: dict[str, Any] = {"api_server_count": count, "fill_threads": fill_threads, "runs": {}}
+    log_path = os.path.join(tmp, f"server-structured-{count}-{sampling}-{fill_threads}.log")
+    proc, port = start_server(folder, count, log_path, structured_outputs_fill_threads=fill_threads,
+                              structured_outputs_sampling=sampling)
+    out: dict[str, Any] = {"api_server_count": count, "fill_threads": fill_threads, "sampling": sampling,
+                           "runs": {}}
     try:
         ratios = [float(r) for r in args.structured_ratios.split(",")]
         for r in ratios:  # warm-up: compile the grammar kernels and the schema once
@@ -251,7 +254,7 @@ def structured_run(folder: str, count: str, args: argparse.Namespace, tmp: str, 
                     print(f"--- py-spy of the engine core, constrained share {r:g} ---", file=sys.stderr)
                     stop_profile(spy, spy_path, top=45)
                 rounds[f"{r:g}"].append(res)
-                log(f"structured share {r:g}, {fill_threads} fill threads, round {rnd}: "
+                log(f"structured share {r:g}, {sampling} sampling, {fill_threads} fill threads, round {rnd}: "
                     f"{res['output_tok_per_s']:.0f} tok/s, TPOT {res['mean_tpot_ms']:.2f} ms, failed {res['failed']}")
         for key, runs in rounds.items():  # each share's median round (by throughput) stands for it
             ranked = sorted(runs, key=lambda x: x["output_tok_per_s"])
@@ -311,6 +314,8 @@ def main() -> int:
                    help="structured runs: rounds of every share, interleaved; each share's median round is reported")
     p.add_argument("--fill-threads", default="1", metavar="N,N,...",
                    help="structured runs: a server per --structured-outputs-fill-threads value, same host")
+    p.add_argument("--structured-sampling", default="auto", metavar="MODE,MODE,...",
+                   help="structured runs: a server per --structured-outputs-sampling value (auto, gated, split)")
     p.add_argument("--structured-count", default="auto", help="--api-server-count of the structured runs")
     p.add_argument("--profile-core-ratio", type=float, default=None, metavar="R",
                    help="py-spy the engine core (all threads) during the structured run of share R")
@@ -358,10 +363,10 @@ def main() -> int:
     print_table(result, offline_tps)
     if "structured" in result:
         print("| constrained share | tok/s | / unconstrained | TPOT ms | failed |\n|---|---|---|---|---|")
-        for n, st in result["structured"].get("by_fill_threads", {"": result["structured"]}).items():
+        for n, st in result["structured"].get("by_variant", {"": result["structured"]}).items():
             rel = st.get("relative_to_unconstrained", {})
             for k, v in st["runs"].items():
-                print(f"| {k}{f' ({n} fill threads)' if n else ''} | {v['output_tok_per_s']:.0f} | "
+                print(f"| {k}{f' ({n}: sampling / fill threads)' if n else ''} | {v['output_tok_per_s']:.0f} | "
                       f"{rel.get(k, float('nan')):.3f} | {v['mean_tpot_ms']:.2f} | {v['failed']} |")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

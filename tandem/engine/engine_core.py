@@ -17,7 +17,12 @@ Hence the three failure modes the overlap design is known for cannot occur here:
 3. every launched step has a future that resolves exactly once (the executor contract),
    and so has each of the two calls of a constrained step.
 
-**Constrained steps (structured outputs)** run in two calls, as in vLLM: ``execute_model``
+**Constrained steps (structured outputs)** are gated where the worker runs in this process
+(``structured_outputs_sampling``, ``tandem.structured_output.gated``): one call, like any
+step, whose sampling waits on the device for the bitmask that the gated fill thread fills
+meanwhile, after advancing the grammars by the earlier steps' tokens itself; the step's
+refusals come back with its accept when the step is applied. Otherwise (split) they
+run in two calls, as in vLLM: ``execute_model``
 launches the forward pass only, and ``sample_tokens(GrammarOutput)`` applies the token
 bitmask and samples. The bitmask of a request needs every token before it, so with a step
 in flight that samples one of the step's constrained requests, sampling is deferred: the
@@ -161,12 +166,16 @@ class EngineCore:
 
     def _use_gated_sampling(self, config: EngineConfig) -> bool:
         """Gated sampling needs the worker in this process (its gate and pinned bitmask do
-        not travel) and one mask row per request (no speculative decoding)."""
+        not travel), one mask row per request (no speculative decoding) and, on CUDA,
+        Triton (the device-side wait is a Triton kernel)."""
+        import importlib.util
+
         mode = config.structured_outputs_sampling
-        possible = self.executor.in_process and config.speculative_config is None
+        possible = (self.executor.in_process and config.speculative_config is None
+                    and (self.model_config.device != "cuda" or importlib.util.find_spec("triton") is not None))
         if mode == "gated" and not possible:
             raise ValueError("structured_outputs_sampling='gated' needs the worker in the engine's process "
-                             "(executor uniproc, one GPU) and no speculative decoding")
+                             "(executor uniproc, one GPU), no speculative decoding and, on CUDA, Triton")
         return mode == "gated" or (mode == "auto" and possible)
 
     # -- requests ------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import triton.language as tl
 MAX_POLLS = 1 << 25
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["target"])  # one compiled variant whatever the value
 def _wait_flag_kernel(flag_addr, target, max_polls):
     ptr = flag_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
     v = tl.load(ptr, volatile=True)

@@ -420,6 +420,12 @@ class ModelRunner:
             hidden = self._forward(segs, max_q, max_len, qsl, seq_lens, splits)
             self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
         if self.device.type == "cuda":
+            try:  # gated sampling's wait (structured outputs), on a flag already raised
+                from tandem.kernels.host_flag import wait_for_host_flag
+            except ImportError:  # no Triton: the engine core runs constrained steps split
+                pass
+            else:
+                wait_for_host_flag(torch.ones(1, dtype=torch.int32, pin_memory=True), 1)
             torch.cuda.synchronize(self.device)
 
     def _graph_body(self, segs: BatchSegments, num_kv_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
