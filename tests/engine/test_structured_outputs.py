@@ -519,7 +519,8 @@ def test_a_failing_gated_fill_fails_its_step_and_the_engine_goes_on(tiny_llama, 
     assert e.core.stats.num_errors == 1
     monkeypatch.setattr(GatedFills, "_fill", fill)
     again = run_workload(e, [WorkItem("c2", [5, 6, 7], constrained(6))])
-    assert again.outputs["c2"].error is None and re.fullmatch(PATTERN, tiny_text(again.outputs["c2"].outputs[0].token_ids))
+    c2 = again.outputs["c2"]
+    assert c2.error is None and re.fullmatch(PATTERN, tiny_text(c2.outputs[0].token_ids))
     kv = e.core.kv_cache
     assert kv.num_free_blocks == kv.num_blocks
     e.shutdown()
