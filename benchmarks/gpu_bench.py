@@ -394,17 +394,18 @@ def main() -> int:
     ap.add_argument("--min-split-tokens", type=int, default=None,
                     help="shortest split-KV key chunk of a decode step (tandem's default: "
                          "tandem.kernels.splits.MIN_SPLIT_TOKENS)")
-    ap.add_argument("--gemv-unroll", action="store_true",
-                    help="tandem.kernels.gemv.UNROLL_K on (the in-process engines read it at launch)")
+    ap.add_argument("--no-gemv-unroll", action="store_true",
+                    help="tandem.kernels.gemv.UNROLL_K off (on by default; the in-process engines read it at "
+                         "launch)")
     ap.add_argument("--out", default="gpu_bench.json")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_bench.py needs a CUDA device", file=sys.stderr)
         return 2
-    if a.gemv_unroll:
+    if a.no_gemv_unroll:
         from tandem.kernels import gemv
 
-        gemv.UNROLL_K = True
+        gemv.UNROLL_K = False
     if a.min_split_tokens is not None:  # read by each model runner as it is built
         import tandem.worker.model_runner as model_runner
 
