@@ -45,10 +45,12 @@ Split-KV (flash decoding)
 With few sequences the grid above leaves most SMs idle during decode. Axis 2 then splits
 each program's key tiles into ``num_kv_splits`` contiguous chunks (per sequence, so short
 sequences get empty chunks); each writes an unnormalised partial ``(max, sum, acc)`` in fp32
-and a second small kernel merges them per (token, head). The split count is a compile-time
+and the last split of each (query tile, KV head) program to finish merges them (an arrival
+counter per program; ``FUSED_MERGE``, else a second small kernel merges them per (token,
+head)). The split count is a compile-time
 constant picked from ``max_seq_len`` (the longest context in the batch), batch size and SM
 count by ``tandem.kernels.splits`` (only for ``max_query_len == 1`` by default; any batch is
-correct with splits, which the tests use). One split launches no merge kernel.
+correct with splits, which the tests use). One split merges nothing.
 
 Graph safety
 ------------
@@ -174,6 +176,8 @@ def _paged_attn_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
     PDL: tl.constexpr,
+    counter_ptr=None,
+    FUSED_MERGE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -272,6 +276,39 @@ def _paged_attn_kernel(
         tl.store(part_m_ptr + ml, m_i, mask=row_ok)
         tl.store(part_l_ptr + ml, l_i, mask=row_ok)
         tl.store(part_acc_ptr + ml[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+        if FUSED_MERGE:  # the tile's last split to finish merges them all (no merge kernel)
+            tl.debug_barrier()  # every thread's partial stored before the count is released
+            counter = counter_ptr + pid * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                tl.atomic_xchg(counter, 0)  # ready for the next launch (and graph replay)
+                _merge_rows(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, tok, head, offs_d, row_ok, d_ok,
+                            num_heads, stride_ot, stride_oh, stride_od, BLOCK_M, HEAD_DIM_PAD, NUM_SPLITS)
+
+
+@triton.jit
+def _merge_rows(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, tok, head, offs_d, row_ok, d_ok, num_heads,
+                stride_ot, stride_oh, stride_od, BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                NUM_SPLITS: tl.constexpr):
+    """Merge the ``NUM_SPLITS`` partials of rows (``tok``, ``head``) into ``out``: each split
+    weighs ``exp2(m_s - max m)``. The partials are read past L1 (``.cg``): other programs
+    wrote them during this launch."""
+    base = (tok * num_heads + head) * NUM_SPLITS
+    m_max = tl.load(part_m_ptr + base, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+    for s in tl.static_range(1, NUM_SPLITS):
+        m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s, mask=row_ok, other=float("-inf"),
+                                          cache_modifier=".cg"))
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    denom = tl.zeros_like(m_ref)
+    o = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        w = tl.exp2(tl.load(part_m_ptr + base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_ref)
+        denom += w * tl.load(part_l_ptr + base + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+        a = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=row_ok[:, None],
+                    other=0.0, cache_modifier=".cg")
+        o += a * w[:, None]
+    o = o / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -325,6 +362,24 @@ def _merge_splits_kernel(
 # ---------------------------------------------------------------------------------------
 # Python wrappers
 # ---------------------------------------------------------------------------------------
+# Split-KV partials merged by the last split of each (query tile, KV head) to finish, inside
+# the attention kernel, instead of by a second kernel (one launch fewer per layer and step).
+FUSED_MERGE = True
+
+# Per device: one arrival counter per (query tile, KV head) program of a split launch,
+# zeroed once and put back to zero by the program that merges, so that it stays valid
+# across launches and graph replays without a memset. Grown (never shrunk) as needed.
+_COUNTERS: dict[tuple[str, Optional[int]], torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1 << 16, 2 * (buf.numel() if buf is not None else 0)),
+                                           dtype=torch.int32, device=device)
+    return buf
+
 def is_interpreting() -> bool:
     """True when the kernels were defined under ``TRITON_INTERPRET=1`` (they run on CPU)."""
     return type(_paged_attn_kernel).__name__ == "InterpretedFunction"
@@ -475,11 +530,14 @@ def paged_attention(
         num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len, _sm_count(q.device))
     num_kv_splits = max(1, int(num_kv_splits))
 
+    counters = None
     if num_kv_splits > 1:
         part_acc = torch.empty((num_tokens, num_heads, num_kv_splits, head_dim_pad), dtype=torch.float32,
                                device=q.device)
         part_m = torch.empty((num_tokens, num_heads, num_kv_splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
+        if FUSED_MERGE:
+            counters = _merge_counters(q.device, grid_q * num_kv_heads)
     else:
         part_acc = part_m = part_l = out  # unused
 
@@ -507,9 +565,11 @@ def paged_attention(
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=8 if big else 4,
         num_stages=2 if big else 3,
+        counter_ptr=counters,
+        FUSED_MERGE=counters is not None,
         **pdl.launch_options(),
     )
-    if num_kv_splits > 1:
+    if num_kv_splits > 1 and counters is None:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_m, part_l, query_start_loc,
             num_seqs, num_heads,

@@ -66,25 +66,29 @@ def compile_one(fn: Any, types: dict[str, str], consts: dict[str, Any], **option
 
 
 def attention(dtype: str, head_dim: int, group: int, block_m: int, block_n: int, splits: int, seq_grid: bool,
-              window: bool, **options: Any) -> None:
+              window: bool, fused_merge: bool = False, **options: Any) -> None:
     types = {"q_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "cache_ptr": f"*{dtype}", "part_acc_ptr": "*fp32",
              "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
-             "bt_ptr": "*i32", "qk_scale": "fp32", "stride_ckv": "i64"}
+             "bt_ptr": "*i32", "qk_scale": "fp32", "stride_ckv": "i64", "counter_ptr": "*i32"}
     consts = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=16,
                   BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_N=block_n, NUM_SPLITS=splits, SEQ_GRID=seq_grid,
-                  USE_WINDOW=window, DOT_PREC="ieee" if dtype == "fp32" else "tf32")
+                  USE_WINDOW=window, DOT_PREC="ieee" if dtype == "fp32" else "tf32", FUSED_MERGE=fused_merge,
+                  PDL=True)
+    if not fused_merge:
+        consts["counter_ptr"] = None
     compile_one(pa._paged_attn_kernel, types, consts, **options)
 
 
 def main() -> None:
-    # decode with split-KV (seq grid), GQA 7
+    # decode with split-KV (seq grid), GQA 7: merged by the last split, and by the merge kernel
+    attention("bf16", 128, 7, 16, 64, 8, True, False, True, num_warps=4, num_stages=3)
     attention("bf16", 128, 7, 16, 64, 8, True, False, num_warps=4, num_stages=3)
     # mixed/prefill: packed grid (binary search), sliding window, wgmma-sized tile
     attention("fp16", 64, 2, 128, 64, 1, False, True, num_warps=8, num_stages=2)
     compile_one(pa._merge_splits_kernel,
                 {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                  "qsl_ptr": "*i32"},
-                dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=8, SPLITS_PAD=8), num_warps=4)
+                dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=8, SPLITS_PAD=8, PDL=True), num_warps=4)
     compile_one(pa._write_kv_kernel,
                 {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*bf16", "slot_ptr": "*i64", "stride_ckv": "i64"},
                 dict(NUM_KV_HEADS=2, HEAD_DIM=128, KVH_PAD=2, HEAD_DIM_PAD=128), num_warps=2)

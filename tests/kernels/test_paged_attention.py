@@ -295,6 +295,23 @@ def test_decode_gqa_and_splits(pa: ModuleType, heads: int, kv_heads: int) -> Non
     torch.testing.assert_close(split, one, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
+@pytest.mark.parametrize("splits", [2, 4])
+def test_splits_merged_by_their_last_program_equal_the_merge_kernel(pa: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                                                    splits: int) -> None:
+    """``FUSED_MERGE``: the last split of each program to finish merges the partials (no
+    merge kernel). It matches the reference and the merge kernel's output to fp32 rounding,
+    and leaves every arrival counter at zero for the next launch (run twice: the counters
+    are reused)."""
+    batch = make_batch([1] * len(DECODE_LENS), DECODE_LENS, heads=4, kv_heads=2, seed=splits)
+    monkeypatch.setattr(pa, "FUSED_MERGE", False)
+    kernel = run_and_check(pa, batch, num_kv_splits=splits, tile_n=16)
+    monkeypatch.setattr(pa, "FUSED_MERGE", True)
+    for _ in range(2):
+        fused = run_and_check(pa, batch, num_kv_splits=splits, tile_n=16)
+        torch.testing.assert_close(fused, kernel, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert pa._COUNTERS and all(int(c.abs().sum()) == 0 for c in pa._COUNTERS.values())
+
+
 @pytest.mark.parametrize("max_len", [7, 16, 40, 70])
 def test_decode_with_the_split_count_the_runner_picks(pa: ModuleType, max_len: int) -> None:
     """The model runner picks the split count from the batch's longest context (scaled down
