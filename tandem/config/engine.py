@@ -96,9 +96,9 @@ class EngineConfig(StrictModel):
         "xgrammar", description="grammar library of structured outputs (JSON schema, regex, choice, grammar): "
                                 "xgrammar or guidance (llguidance)")
     structured_outputs_fill_threads: int = Field(
-        1, ge=1, le=64, description="threads that fill a step's token bitmask on a CUDA engine, each a share of "
-                                    "the constrained rows (at least 32 rows a share); more shorten the fill when "
-                                    "the host has idle cores")
+        1, ge=1, le=64, description="threads that fill a split step's token bitmask on a CUDA engine "
+                                    "(structured_outputs_sampling split), each a share of the constrained rows (at "
+                                    "least 32 rows a share); more shorten the fill when the host has idle cores")
     structured_outputs_sampling: Literal["auto", "gated", "split"] = Field(
         "auto", description="how a constrained step samples: gated (launched with its forward, waiting on the "
                             "device for the bitmask the engine core fills meanwhile on a thread of its own; a worker "
