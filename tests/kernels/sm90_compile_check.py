@@ -103,6 +103,9 @@ def main() -> None:
                          Q_HEADS_PAD=triton.next_power_of_2(nq), K_HEADS_PAD=triton.next_power_of_2(nk),
                          HALF_PAD=triton.next_power_of_2(rot // 2), HEAD_DIM_PAD=triton.next_power_of_2(d),
                          TAIL_PAD=triton.next_power_of_2(max(1, d - rot))), num_warps=4)
+    # gated sampling's wait on a host flag (a 64-bit address read with volatile loads)
+    compile_one(importlib.import_module("tandem.kernels.host_flag")._wait_flag_kernel,
+                {"flag_addr": "i64", "target": "i32", "max_polls": "i32"}, {}, num_warps=1)
     print("all compiled")
 
 
