@@ -39,6 +39,7 @@ import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from tandem.structured_output.buffers import BitmaskBuffers
 from tandem.types.grammar import GrammarOutput
 
 if TYPE_CHECKING:
@@ -91,8 +92,7 @@ class GatedFills:
         self._filled = threading.Condition()
         # Bitmask buffers, used in turn. fill(S+1) starts after accept(S), i.e. after S's
         # sampled ids reached the host, so S's sampling has copied S's bitmask by then.
-        self._bufs: list[Optional["torch.Tensor"]] = [None, None]
-        self._turn = 0
+        self._bufs = BitmaskBuffers(bitmask_words, pinned)
         self._jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
@@ -106,7 +106,7 @@ class GatedFills:
         that samples, in ``req_ids`` order, gated) and the future of its fill."""
         self._seq += 1
         seq = self._seq
-        bitmask = self._buffer(len(req_ids))
+        bitmask = self._bufs.next(len(req_ids))
         fut: "Future[None]" = Future()
         self._submit(lambda: self._fill(seq, list(grammars), bitmask, fut))
         self.num_steps += 1
@@ -219,13 +219,3 @@ class GatedFills:
             elif tok in stop:
                 g.terminated = g.matcher.is_terminated  # type: ignore[union-attr]
         return refused
-
-    def _buffer(self, rows: int) -> "torch.Tensor":
-        import torch
-
-        self._turn ^= 1
-        buf = self._bufs[self._turn]
-        if buf is None or buf.shape[0] < rows:
-            buf = torch.empty((max(rows, 64), self.words), dtype=torch.int32, pin_memory=self.pinned)
-            self._bufs[self._turn] = buf
-        return buf[:rows]

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 from tandem.sampling_params import StructuredOutputsParams
 from tandem.structured_output.backend import (CompiledGrammar, GrammarBackend, GrammarBackendError,
                                               GrammarCompileError, GrammarSpec, Matcher, create_backend)
+from tandem.structured_output.buffers import BitmaskBuffers
 from tandem.structured_output.gated import GatedFills, Refusals
 from tandem.types.grammar import GrammarOutput
 from tandem.types.request import Request, RequestStatus
@@ -277,8 +278,7 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         self._cache: "OrderedDict[GrammarSpec, Future[CompiledGrammar]]" = OrderedDict()
         self.num_compiles = 0  # compilations started (cache misses)
-        self._bitmask_bufs: list[Optional["torch.Tensor"]] = [None, None]
-        self._buf_turn = 0
+        self._bitmask_bufs = BitmaskBuffers(self.bitmask_words, pin_bitmasks)
         # Page-locked bitmask buffers (a CUDA worker in this process): the worker copies a
         # step's rows to the device straight from them.
         self.pin_bitmasks = pin_bitmasks
@@ -465,14 +465,7 @@ class StructuredOutputManager:
         device on the stream after the step's forward). The buffer comes round again for
         the fill two steps later, which starts only once the step in between has returned
         its tokens: its sampling, queued after that copy, has run, so the copy is done."""
-        import torch
-
-        self._buf_turn ^= 1
-        buf = self._bitmask_bufs[self._buf_turn]
-        if buf is None or buf.shape[0] < rows:
-            buf = torch.empty((max(rows, 64), self.bitmask_words), dtype=torch.int32, pin_memory=self.pin_bitmasks)
-            self._bitmask_bufs[self._buf_turn] = buf
-        return buf[:rows]
+        return self._bitmask_bufs.next(rows)
 
     def _draft_output(self, step_id: int, req_ids: list[str], requests: list[Request],
                       num_drafts: list[int]) -> GrammarOutput:
