@@ -397,17 +397,18 @@ def main() -> int:
     ap.add_argument("--no-gemv-unroll", action="store_true",
                     help="tandem.kernels.gemv.UNROLL_K off (on by default; the in-process engines read it at "
                          "launch)")
-    ap.add_argument("--no-fused-merge", action="store_true",
-                    help="tandem.kernels.attention.FUSED_MERGE off: split-KV partials merged by a second kernel")
+    ap.add_argument("--fused-merge", action="store_true",
+                    help="tandem.kernels.attention.FUSED_MERGE on: split-KV partials merged by the last split, "
+                         "not by a second kernel")
     ap.add_argument("--out", default="gpu_bench.json")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_bench.py needs a CUDA device", file=sys.stderr)
         return 2
-    if a.no_fused_merge:
+    if a.fused_merge:
         from tandem.kernels import attention
 
-        attention.FUSED_MERGE = False
+        attention.FUSED_MERGE = True
     if a.no_gemv_unroll:
         from tandem.kernels import gemv
 

@@ -176,7 +176,9 @@ class EngineCore:
         if mode == "gated" and not possible:
             raise ValueError("structured_outputs_sampling='gated' needs the worker in the engine's process "
                              "(executor uniproc, one GPU), no speculative decoding and, on CUDA, Triton")
-        return mode == "gated" or (mode == "auto" and possible)
+        # auto: gated on the CPU only until the CUDA wait (tandem.kernels.host_flag) has run
+        # on a GPU; --structured-outputs-sampling gated asks for it there.
+        return mode == "gated" or (mode == "auto" and possible and self.model_config.device != "cuda")
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

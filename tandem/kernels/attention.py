@@ -364,7 +364,9 @@ def _merge_splits_kernel(
 # ---------------------------------------------------------------------------------------
 # Split-KV partials merged by the last split of each (query tile, KV head) to finish, inside
 # the attention kernel, instead of by a second kernel (one launch fewer per layer and step).
-FUSED_MERGE = True
+# Off until it has run on a GPU (its memory ordering is what the interpreter cannot check):
+# ``gpu_bench.py --fused-merge`` and ``tests/kernels/test_paged_attention.py`` on a GPU.
+FUSED_MERGE = False
 
 # Per device: one arrival counter per (query tile, KV head) program of a split launch,
 # zeroed once and put back to zero by the program that merges, so that it stays valid
