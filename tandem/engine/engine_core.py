@@ -17,8 +17,9 @@ Hence the three failure modes the overlap design is known for cannot occur here:
 3. every launched step has a future that resolves exactly once (the executor contract),
    and so has each of the two calls of a constrained step.
 
-**Constrained steps (structured outputs)** are gated where the worker runs in this process
-(``structured_outputs_sampling``, ``tandem.structured_output.gated``): one call, like any
+**Constrained steps (structured outputs)** can be gated where the worker runs in this process
+(``structured_outputs_sampling``: the default on the CPU, asked for on CUDA until its wait
+has run on a GPU; ``tandem.structured_output.gated``): one call, like any
 step, whose sampling waits on the device for the bitmask that the gated fill thread fills
 meanwhile, after advancing the grammars by the earlier steps' tokens itself; the step's
 refusals come back with its accept when the step is applied. Otherwise (split) they
