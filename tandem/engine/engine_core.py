@@ -126,6 +126,11 @@ class EngineCore:
         self.config = config
         self.model_config = model_config
         self.executor = executor or create_executor(config, model_config)
+        try:
+            self.gated_sampling = self._use_gated_sampling(config)
+        except ValueError:
+            self.executor.shutdown()  # its workers are up already
+            raise
         # Every worker must fit the cache: take the smallest count any of them reports.
         num_blocks = min(self.executor.collective_rpc("determine_num_kv_blocks"))
         self.executor.collective_rpc("init_kv_cache", num_blocks)
@@ -148,7 +153,6 @@ class EngineCore:
             spec=spec_scheduling(config),
             accept_grammar_tokens=self.structured.accept_tokens,  # type: ignore[arg-type]
         )
-        self.gated_sampling = self._use_gated_sampling(config)
         self.depth = config.max_concurrent_batches
         self.batch_queue: deque[InFlightStep] = deque()
         # Build a step's inputs before the sampling call it must follow (``_launch_next``);
