@@ -321,10 +321,10 @@ class EngineCore:
         """One call, as for an unconstrained step: the bitmask's fill is queued on the gated
         fill thread first (after the accepts of every earlier step), then the step (its
         sampling waits on the device for the fill), then the accept of the step's own ids."""
-        requests = self.scheduler.step_requests(so.step_id, so.grammar_req_ids)
-        so.grammar, fill = self.structured.open_gated_step(so.step_id, so.grammar_req_ids, requests)
+        grammars = [r.grammar for r in self.scheduler.step_requests(so.step_id, so.grammar_req_ids)]
+        so.grammar, fill = self.structured.gated.open_step(so.step_id, so.grammar_req_ids, grammars)  # type: ignore[arg-type]
         output = cast("Future[ModelRunnerOutput]", self.executor.execute_model(so))
-        accept = self.structured.accept_gated_step(so.grammar_req_ids, requests, output)
+        accept = self.structured.gated.accept_step(so.grammar_req_ids, grammars, output)  # type: ignore[arg-type]
         self.stats.num_constrained += 1
         self.stats.num_gated += 1
         return InFlightStep(so, output, gated=(fill, accept))

@@ -100,25 +100,27 @@ class GatedFills:
         self.num_steps = 0
 
     # -- the engine thread ------------------------------------------------------------------
-    def open_step(self, step_id: int, req_ids: list[str], grammars: Sequence["RequestGrammarState"]
+    def open_step(self, step_id: int, req_ids: list[str], grammars: list["RequestGrammarState"]
                   ) -> tuple[GrammarOutput, "Future[None]"]:
-        """At step ``step_id``'s launch: its ``GrammarOutput`` (a row per constrained request
-        that samples, in ``req_ids`` order, gated) and the future of its fill."""
+        """At step ``step_id``'s launch, before ``execute_model``: its ``GrammarOutput`` (a
+        row per constrained request that samples, in ``req_ids`` order, gated) and the
+        future of its fill. ``req_ids`` and ``grammars`` are read later, on the thread: the
+        caller hands them over and changes them no more."""
         self._seq += 1
         seq = self._seq
         bitmask = self._bufs.next(len(req_ids))
         fut: "Future[None]" = Future()
-        self._submit(lambda: self._fill(seq, list(grammars), bitmask, fut))
+        self._submit(lambda: self._fill(seq, grammars, bitmask, fut))
         self.num_steps += 1
-        return GrammarOutput(step_id, list(req_ids), bitmask, gate=BitmaskGate(self.flag, seq, self)), fut
+        return GrammarOutput(step_id, req_ids, bitmask, gate=BitmaskGate(self.flag, seq, self)), fut
 
-    def accept_step(self, req_ids: list[str], grammars: Sequence["RequestGrammarState"],
+    def accept_step(self, req_ids: list[str], grammars: list["RequestGrammarState"],
                     output: "Future[Any]") -> "Future[Refusals]":
         """Right after step S's launch: advance ``grammars`` (of ``req_ids``) by the ids the
         step samples, once ``output`` (its ``ModelRunnerOutput`` future) has them. Resolves
         to the refused positions of the output, with the reason."""
         fut: "Future[Refusals]" = Future()
-        self._submit(lambda: self._accept(list(req_ids), list(grammars), output, fut))
+        self._submit(lambda: self._accept(req_ids, grammars, output, fut))
         return fut
 
     def wait_filled(self, seq: int) -> None:

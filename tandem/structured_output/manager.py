@@ -27,13 +27,13 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 from tandem.sampling_params import StructuredOutputsParams
 from tandem.structured_output.backend import (CompiledGrammar, GrammarBackend, GrammarBackendError,
                                               GrammarCompileError, GrammarSpec, Matcher, create_backend)
 from tandem.structured_output.buffers import BitmaskBuffers
-from tandem.structured_output.gated import GatedFills, Refusals
+from tandem.structured_output.gated import GatedFills
 from tandem.types.grammar import GrammarOutput
 from tandem.types.request import Request, RequestStatus
 
@@ -433,18 +433,6 @@ class StructuredOutputManager:
             self._gated.shutdown()
             self._gated = None
         self._background_fills = on
-
-    def open_gated_step(self, step_id: int, req_ids: list[str], requests: list[Request]
-                        ) -> tuple[GrammarOutput, "Future[None]"]:
-        """A gated step's ``GrammarOutput`` (its bitmask filling behind its gate), and the
-        future of the fill. Call at the step's launch, before ``execute_model``."""
-        return self.gated.open_step(step_id, req_ids, [r.grammar for r in requests])  # type: ignore[misc]
-
-    def accept_gated_step(self, req_ids: list[str], requests: list[Request], output: "Future[Any]"
-                          ) -> "Future[Refusals]":
-        """Advance the grammars of a gated step's ``req_ids`` by its sampled ids once
-        ``output`` has them (right after its launch); resolves to the refusals."""
-        return self.gated.accept_step(req_ids, [r.grammar for r in requests], output)  # type: ignore[misc]
 
     def set_fill_threads(self, threads: FillThreads) -> None:
         """Fill in the background on ``threads`` from now on (tests and benchmarks compare counts)."""

@@ -173,6 +173,9 @@ class ModelRunner:
         # so every rank's token table (hence every rank's next input) stays identical.
         self.tp_rank = get_tp_rank()
         self.use_graphs = cuda_graphs and device.type == "cuda" and attention_backend == "triton"
+        # Compile gated sampling's wait with the other kernels (set by the worker when the
+        # engine asks for gated sampling on CUDA; nothing else launches that kernel).
+        self.warm_gated_sampling = False
         # Decode graphs by (batch-size bucket, split-KV count): the split count follows the
         # batch's longest context, and a graph bakes it in.
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph,
@@ -420,11 +423,9 @@ class ModelRunner:
             hidden = self._forward(segs, max_q, max_len, qsl, seq_lens, splits)
             self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
         if self.device.type == "cuda":
-            try:  # gated sampling's wait (structured outputs), on a flag already raised
+            if self.warm_gated_sampling:  # its wait (structured outputs), on a flag already raised
                 from tandem.kernels.host_flag import wait_for_host_flag
-            except ImportError:  # no Triton: the engine core runs constrained steps split
-                pass
-            else:
+
                 wait_for_host_flag(torch.ones(1, dtype=torch.int32, pin_memory=True), 1)
             torch.cuda.synchronize(self.device)
 

@@ -99,6 +99,7 @@ class Worker:
                                   model_config.max_num_seqs, model_config.max_num_batched_tokens, self.device,
                                   self.dtype, attention_backend=backend, cuda_graphs=graphs,
                                   speculative=config.speculative_config, draft_model=draft)
+        self.runner.warm_gated_sampling = config.structured_outputs_sampling == "gated"
         self.draft = draft
 
     def block_bytes(self) -> int:
