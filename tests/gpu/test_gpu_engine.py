@@ -52,15 +52,17 @@ def test_fp32_gpu_greedy_equals_the_cpu_path(sharp_model):
     assert got == want
 
 
-def test_split_counts_follow_the_context_graphs_equal_eager(sharp_model, monkeypatch):
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_split_counts_follow_the_context_graphs_equal_eager(sharp_model, monkeypatch, fused_merge):
     """Decode picks its split-KV count from the batch's longest context and replays the graph
     captured for (bucket, count). Chunks of 16 keys make a short prompt's decode cross
     1, 2 and 4 splits (short contexts take one split, no merge kernel) and long ones take
     16; in fp32 the graphs, an eager Triton run and the CPU path all give the same greedy
-    tokens, batched and at batch 1."""
+    tokens, batched and at batch 1, with the merge kernel and with the fused merge."""
     from tandem import SamplingParams
 
     monkeypatch.setattr("tandem.worker.model_runner.MIN_SPLIT_TOKENS", 16)
+    monkeypatch.setattr("tandem.kernels.attention.FUSED_MERGE", fused_merge)
     prompts = _prompts(12, 3, 300, seed=4)
     long_alone, short_alone = _prompts(1, 290, 300, seed=5), _prompts(1, 5, 5, seed=6)
     sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)

@@ -462,9 +462,39 @@ def test_real_fp32_cache(pa: ModuleType) -> None:
 
 
 @cuda_only
-def test_cuda_graph_capture_and_replay(pa: ModuleType) -> None:
+@pytest.mark.parametrize("batch_size,ctx,splits", [(1, 8192, 16), (4, 2048, 8), (64, 4096, 16), (7, 300, 4)])
+def test_real_fused_merge_equals_the_merge_kernel_at_every_launch(pa: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                                                  batch_size: int, ctx: int, splits: int) -> None:
+    """``FUSED_MERGE`` on the GPU, where programs really race: the last split to arrive reads
+    partials that other programs wrote. A missing release or acquire shows as stale partials,
+    so the output of 200 launches must stay bit-identical (which split merges does not change
+    the arithmetic), match the merge kernel to bf16 rounding, and leave the counters at zero."""
+    lens = [ctx - 37 * i for i in range(batch_size)]
+    batch = make_batch([1] * batch_size, lens, heads=14, kv_heads=2, head_dim=64, block_size=16,
+                       dtype=torch.bfloat16, seed=ctx)
+    monkeypatch.setattr(pa, "FUSED_MERGE", False)
+    kernel = run_and_check(pa, batch, num_kv_splits=splits)
+    monkeypatch.setattr(pa, "FUSED_MERGE", True)
+    first = run_and_check(pa, batch, num_kv_splits=splits)
+    T = batch.num_real_tokens
+    torch.testing.assert_close(first[:T], kernel[:T], atol=1e-2, rtol=1e-2)
+    out = torch.empty_like(batch.q)
+    differing = 0
+    for _ in range(200):
+        out.fill_(float("nan"))
+        pa.paged_attention(batch.q, batch.kv_cache, out, **batch.kwargs(num_kv_splits=splits))
+        differing += int(not torch.equal(out[:T], first[:T]))
+    assert differing == 0, f"{differing} of 200 launches differ"
+    assert all(int(c.abs().sum()) == 0 for c in pa._COUNTERS.values())
+
+
+@cuda_only
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_cuda_graph_capture_and_replay(pa: ModuleType, monkeypatch: pytest.MonkeyPatch, fused_merge: bool) -> None:
     """Capture write + attention for a padded decode batch once, then replay with new metadata
-    written into the captured tensors (different lengths, tables and slots)."""
+    written into the captured tensors (different lengths, tables and slots); with the merge
+    kernel and with the fused merge (its counters baked into the graph)."""
+    monkeypatch.setattr(pa, "FUSED_MERGE", fused_merge)
     H, KVH, D, BS, B, max_len = 14, 2, 128, 16, 32, 2048
     width = max_len // BS
     num_blocks = B * width + 1
