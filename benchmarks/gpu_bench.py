@@ -397,6 +397,9 @@ def main() -> int:
     ap.add_argument("--no-gemv-unroll", action="store_true",
                     help="tandem.kernels.gemv.UNROLL_K off (on by default; the in-process engines read it at "
                          "launch)")
+    ap.add_argument("--no-gemv-rope", action="store_true",
+                    help="tandem.kernels.gemv.FUSE_ROPE off: a separate rotary + KV-write kernel after the QKV "
+                         "GEMV (on by default)")
     ap.add_argument("--fused-merge", action="store_true",
                     help="tandem.kernels.attention.FUSED_MERGE on: split-KV partials merged by the last split, "
                          "not by a second kernel")
@@ -409,10 +412,11 @@ def main() -> int:
         from tandem.kernels import attention
 
         attention.FUSED_MERGE = True
-    if a.no_gemv_unroll:
+    if a.no_gemv_unroll or a.no_gemv_rope:
         from tandem.kernels import gemv
 
-        gemv.UNROLL_K = False
+        gemv.UNROLL_K = gemv.UNROLL_K and not a.no_gemv_unroll
+        gemv.FUSE_ROPE = gemv.FUSE_ROPE and not a.no_gemv_rope
     if a.min_split_tokens is not None:  # read by each model runner as it is built
         import tandem.worker.model_runner as model_runner
 

@@ -208,6 +208,25 @@ class Attention(torch.nn.Module):
             out = self._sdpa_paged(q, k, v, kv, md)
         return out.reshape(T, self.num_heads * self.head_dim)
 
+    # -- the QKV projection's fused epilogue (small batches) ---------------------------
+    def rope_write_target(self, rotary: RotaryEmbedding, qk_norm: Optional[tuple[RMSNorm, RMSNorm]]
+                          ) -> Optional[tuple[torch.Tensor, AttentionMetadata]]:
+        """The step's KV cache and metadata when a QKV projection may rotate q and k and
+        write k and v itself (``tandem.kernels.gemv.RopeWrite``): the Triton path with fused
+        kernels, full rotary and no per-head q/k norms; else None (``forward`` does it)."""
+        ctx = get_forward_context()
+        md = ctx.attn_metadata if ctx is not None else None
+        if (md is None or md.backend != "triton" or not rotary.fused or qk_norm is not None
+                or rotary.rotary_dim != self.head_dim):
+            return None
+        assert ctx is not None
+        return ctx.kv_caches[self.layer_idx], md
+
+    def attend_rotated(self, q: torch.Tensor, kv: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """Attention for ``q [T, H * D]`` already rotated, this step's k and v already in ``kv``."""
+        T = q.shape[0]
+        return self._paged(q.view(T, self.num_heads, self.head_dim), kv, md).reshape(T, self.num_heads * self.head_dim)
+
     # -- Triton ------------------------------------------------------------------
     def _triton(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:

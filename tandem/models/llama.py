@@ -124,7 +124,7 @@ class LlamaDecoderLayer(nn.Module):
 
     A batch of at most ``gemv_max_rows`` tokens (0: never; the worker sets it on the Triton
     path) runs each projection as one GEMV with the norm and SiLU fused in
-    (``tandem.kernels.gemv``): six launches a layer where the GEMM path takes about ten, which
+    (``tandem.kernels.gemv``): five launches a layer where the GEMM path takes about ten, which
     is what bounds a small decode batch.
     """
 
@@ -153,19 +153,29 @@ class LlamaDecoderLayer(nn.Module):
 
     def _forward_gemv(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                       residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` for a few tokens: norm + QKV, rotary + KV write, attention, o_proj,
-        residual add + norm + gate_up + SiLU-and-multiply, down."""
-        from tandem.kernels.gemv import gemv
+        """``forward`` for a few tokens: norm + QKV (+ rotary + KV write, where the attention
+        allows: ``gemv.FUSE_ROPE``), [rotary + KV write,] attention, o_proj, residual add +
+        norm + gate_up + SiLU-and-multiply, down."""
+        from tandem.kernels import gemv as gemv_mod
+        from tandem.kernels.gemv import RopeWrite, gemv
 
         attn, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         qkv_w, qkv_b = attn.qkv_proj.weight, attn.qkv_proj.bias
+        target = attn.attn.rope_write_target(attn.rotary_emb, attn._qk_norms()) if gemv_mod.FUSE_ROPE else None
+        rope = None
+        if target is not None:
+            rot = attn.rotary_emb
+            rope = RopeWrite(positions, rot.cos_cache, rot.sin_cache, target[0], target[1].slot_mapping,
+                             attn.num_heads, attn.num_kv_heads, attn.head_dim)
         if residual is None:
-            qkv = gemv(hidden_states, qkv_w, qkv_b, norm=(ln1.weight, ln1.eps))
+            out = gemv(hidden_states, qkv_w, qkv_b, norm=(ln1.weight, ln1.eps), rope=rope)
             residual = hidden_states
         else:
-            qkv, residual = gemv(hidden_states, qkv_w, qkv_b, norm=(ln1.weight, ln1.eps), residual=residual)
-        hidden_states = gemv(attn.attend(positions, qkv), attn.o_proj.weight, attn.o_proj.bias)
+            out, residual = gemv(hidden_states, qkv_w, qkv_b, norm=(ln1.weight, ln1.eps), residual=residual,
+                                 rope=rope)
+        attended = attn.attend(positions, out) if target is None else attn.attn.attend_rotated(out, *target)
+        hidden_states = gemv(attended, attn.o_proj.weight, attn.o_proj.bias)
         act, residual = gemv(hidden_states, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
                              norm=(ln2.weight, ln2.eps), residual=residual, silu=True)
         return gemv(act, mlp.down_proj.weight, mlp.down_proj.bias), residual

@@ -164,3 +164,49 @@ def test_unrolled_feature_loop_gives_the_same_bits(monkeypatch, silu):
     got = mod.gemv(x, w, norm=(norm.weight, norm.eps), residual=r, silu=silu)
     for g, e in zip(got, want):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+ROPE_SHAPES = [(96, 4, 2, 16), (1100, 3, 1, 8)] + ([(896, 14, 2, 64), (3584, 28, 4, 128)] if HAS_CUDA else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K,nq,nk,d", ROPE_SHAPES)
+@pytest.mark.parametrize("M", [1, 3])
+def test_qkv_projection_with_rotary_and_cache_write(dtype, K, nq, nk, d, M):
+    """``gemv(rope=...)``: the QKV launch also rotates q and k and writes k and v to their
+    cache slots, as the projection followed by ``fused.rotary_write_kv_cache_`` does. A
+    padding row (negative slot) writes nothing to the cache; other slots stay untouched."""
+    from tandem.kernels.fused import rotary_write_kv_cache_
+    from tandem.kernels.gemv import RopeWrite, gemv
+    from tandem.layers.rotary import RotaryEmbedding
+
+    _interpreted()
+    torch.manual_seed(K + M)
+    N = (nq + 2 * nk) * d
+    norm, w, b = _layers(dtype, K, N, bias=True)
+    rot = RotaryEmbedding(d, d, 256, 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)).to(DEV)
+    x = torch.randn(M, K, device=DEV, dtype=dtype)
+    r = torch.randn(M, K, device=DEV, dtype=dtype)
+    positions = torch.randint(0, 256, (M,), device=DEV)
+    slots = torch.randperm(40, device=DEV)[:M]
+    if M > 1:
+        slots[1] = -1
+    cache_dtype = torch.float32 if dtype == torch.float32 else dtype
+    want_cache = torch.randn(2, 5, 8, nk, d, device=DEV).to(cache_dtype)
+    got_cache = want_cache.clone()
+
+    qkv, want_res = gemv(x, w, b, norm=(norm.weight, norm.eps), residual=r)
+    q = qkv[:, :nq * d].reshape(M, nq, d).clone()
+    k = qkv[:, nq * d:(nq + nk) * d].reshape(M, nk, d)
+    v = qkv[:, (nq + nk) * d:].reshape(M, nk, d)
+    rotary_write_kv_cache_(positions, q, k, v, rot.cos_cache, rot.sin_cache, d, want_cache, slots)
+
+    rope = RopeWrite(positions, rot.cos_cache, rot.sin_cache, got_cache, slots, nq, nk, d)
+    got_q, got_res = gemv(x, w, b, norm=(norm.weight, norm.eps), residual=r, rope=rope)
+    assert got_q.shape == (M, nq * d)
+    _close(got_res, want_res, exact=True)
+    exact = not HAS_CUDA  # the interpreter sums each row in one order; a GPU tile layout may not
+    _close(got_q, q.reshape(M, -1), exact=exact)
+    _close(got_cache, want_cache, exact=exact)
+    with pytest.raises(ValueError, match="QKV"):
+        gemv(x, w[:-1], rope=rope)

@@ -34,12 +34,13 @@ def test_the_switch_and_its_launch_options():
         pdl.set_enabled(was)
 
 
-def _decode_stack(layers: int, seed: int):
+def _decode_stack(layers: int, seed: int, fused_rope: bool = False):
     """A step of batch 1 through ``layers`` Qwen2.5-0.5B-shaped layers (random weights, a
-    context of 300 cached tokens): the kernels the GEMV path launches, in its order."""
+    context of 300 cached tokens): the kernels the GEMV path launches, in its order
+    (``fused_rope``: rotary and the KV write in the QKV launch)."""
     from tandem.kernels.attention import paged_attention
     from tandem.kernels.fused import rotary_write_kv_cache_
-    from tandem.kernels.gemv import gemv
+    from tandem.kernels.gemv import RopeWrite, gemv
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     dev, dt = "cuda", torch.bfloat16
@@ -68,15 +69,17 @@ def _decode_stack(layers: int, seed: int):
     def step() -> torch.Tensor:
         h, res = x, None
         for w, cache in zip(ws, caches):
+            rope = RopeWrite(positions, cos, sin, cache, slots, nh, nkv, d) if fused_rope else None
             if res is None:
-                qkv = gemv(h, w["qkv"], w["b"], norm=(w["n1"], 1e-6))
+                qkv = gemv(h, w["qkv"], w["b"], norm=(w["n1"], 1e-6), rope=rope)
                 res = h
             else:
-                qkv, res = gemv(h, w["qkv"], w["b"], norm=(w["n1"], 1e-6), residual=res)
+                qkv, res = gemv(h, w["qkv"], w["b"], norm=(w["n1"], 1e-6), residual=res, rope=rope)
             q = qkv[:, :nh * d].view(1, nh, d)
-            k = qkv[:, nh * d:(nh + nkv) * d].view(1, nkv, d)
-            v = qkv[:, (nh + nkv) * d:].view(1, nkv, d)
-            rotary_write_kv_cache_(positions, q, k, v, cos, sin, d, cache, slots)
+            if not fused_rope:
+                k = qkv[:, nh * d:(nh + nkv) * d].view(1, nkv, d)
+                v = qkv[:, (nh + nkv) * d:].view(1, nkv, d)
+                rotary_write_kv_cache_(positions, q, k, v, cos, sin, d, cache, slots)
             attn = torch.empty_like(q)
             paged_attention(q, cache, attn, query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
                             max_query_len=1, max_seq_len=ctx + 1, scale=d ** -0.5, num_kv_splits=4)
@@ -90,10 +93,11 @@ def _decode_stack(layers: int, seed: int):
 
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs a Hopper or later GPU")
-def test_a_layer_stack_gives_the_same_bits_with_pdl_eager_and_in_a_graph():
+@pytest.mark.parametrize("fused_rope", [False, True])
+def test_a_layer_stack_gives_the_same_bits_with_pdl_eager_and_in_a_graph(fused_rope):
     from tandem.kernels import pdl
 
-    step = _decode_stack(layers=6, seed=0)
+    step = _decode_stack(layers=6, seed=0, fused_rope=fused_rope)
     was = pdl.enabled()
     try:
         pdl.set_enabled(False)

@@ -20,7 +20,8 @@ from tandem import LLM, SamplingParams  # noqa: E402
 def test_triton_backend_matches_sdpa_and_warms_up(tiny_factory, arch, monkeypatch):
     """Also covers rotary fused into the KV write (Qwen3: with its per-head q/k norms in the
     same kernel), split-KV counts that follow the context, and the fused GEMV path of
-    batches of up to 8 tokens (every decode step here; by default only batch 1 takes it)."""
+    batches of up to 8 tokens (every decode step here; by default only batch 1 takes it),
+    whose QKV launch also rotates and caches k/v where there are no per-head norms."""
     from tandem.kernels import fused, gemv
 
     tiny_model = tiny_factory(arch)
@@ -60,10 +61,13 @@ def test_triton_backend_matches_sdpa_and_warms_up(tiny_factory, arch, monkeypatc
 
         monkey.setattr(fused, "rotary_write_kv_cache_", fused_spy)
         gemv_rows: list[int] = []
+        rope_rows: list[int] = []
         gemv_call = gemv.gemv
 
         def gemv_spy(x, *args, **kw):
             gemv_rows.append(x.shape[0])
+            if kw.get("rope") is not None:
+                rope_rows.append(x.shape[0])
             return gemv_call(x, *args, **kw)
 
         monkey.setattr(gemv, "gemv", gemv_spy)
@@ -76,3 +80,5 @@ def test_triton_backend_matches_sdpa_and_warms_up(tiny_factory, arch, monkeypatc
     assert all(launches) == (arch == "qwen3"), "Qwen3's q/k norms belong in the same kernel"
     assert 1 in picked and max(picked) > 1, f"split counts picked: {picked}"
     assert gemv_rows and max(gemv_rows) <= gemv.MAX_ROWS, "small batches did not take the fused GEMV path"
+    # Small batches rotate and cache k/v in the QKV launch, except under Qwen3's q/k norms.
+    assert bool(rope_rows) == (arch != "qwen3"), f"QKV launches with rotary: {rope_rows}"
