@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -253,6 +254,8 @@ def structured_run(folder: str, count: str, args: argparse.Namespace, tmp: str, 
 
                     print(f"--- py-spy of the engine core, constrained share {r:g} ---", file=sys.stderr)
                     stop_profile(spy, spy_path, top=45)
+                    if args.out:  # the raw stacks, per thread, for a closer look
+                        shutil.copy(spy_path, f"{os.path.splitext(args.out)[0]}_core_r{r:g}.pyspy")
                 rounds[f"{r:g}"].append(res)
                 log(f"structured share {r:g}, {sampling} sampling, {fill_threads} fill threads, round {rnd}: "
                     f"{res['output_tok_per_s']:.0f} tok/s, TPOT {res['mean_tpot_ms']:.2f} ms, failed {res['failed']}")

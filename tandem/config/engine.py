@@ -103,8 +103,7 @@ class EngineConfig(StrictModel):
         "auto", description="how a constrained step samples: gated (launched with its forward, waiting on the "
                             "device for the bitmask the engine core fills meanwhile on a thread of its own; a worker "
                             "in the engine's process, no speculative decoding), split (a second call once the "
-                            "bitmask is filled, as vLLM does), auto (gated on the CPU, split on CUDA until the "
-                            "device-side wait has been validated on a GPU)")
+                            "bitmask is filled, as vLLM does), auto (gated where it can run, else split)")
     speculative_config: Optional[SpeculativeConfig] = Field(
         None, description="speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                           "(method ngram: prompt_lookup_min/max; draft_model: model; disable_by_batch_size)")

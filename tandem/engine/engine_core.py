@@ -18,8 +18,7 @@ Hence the three failure modes the overlap design is known for cannot occur here:
    and so has each of the two calls of a constrained step.
 
 **Constrained steps (structured outputs)** can be gated where the worker runs in this process
-(``structured_outputs_sampling``: the default on the CPU, asked for on CUDA until its wait
-has run on a GPU; ``tandem.structured_output.gated``): one call, like any
+(``structured_outputs_sampling``, the default; ``tandem.structured_output.gated``): one call, like any
 step, whose sampling waits on the device for the bitmask that the gated fill thread fills
 meanwhile, after advancing the grammars by the earlier steps' tokens itself; the step's
 refusals come back with its accept when the step is applied. Otherwise (split) they
@@ -181,9 +180,9 @@ class EngineCore:
         if mode == "gated" and not possible:
             raise ValueError("structured_outputs_sampling='gated' needs the worker in the engine's process "
                              "(executor uniproc, one GPU), no speculative decoding and, on CUDA, Triton")
-        # auto: gated on the CPU only until the CUDA wait (tandem.kernels.host_flag) has run
-        # on a GPU; --structured-outputs-sampling gated asks for it there.
-        return mode == "gated" or (mode == "auto" and possible and self.model_config.device != "cuda")
+        # auto: gated wherever it can run. Served on an H100 it beat split at every share of
+        # constrained requests (benchmarks/RESULTS.md, 2026-12-07, fourth session).
+        return mode == "gated" or (mode == "auto" and possible)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

@@ -174,7 +174,7 @@ class ModelRunner:
         self.tp_rank = get_tp_rank()
         self.use_graphs = cuda_graphs and device.type == "cuda" and attention_backend == "triton"
         # Compile gated sampling's wait with the other kernels (set by the worker when the
-        # engine asks for gated sampling on CUDA; nothing else launches that kernel).
+        # engine may gate constrained steps on CUDA; nothing else launches that kernel).
         self.warm_gated_sampling = False
         # Decode graphs by (batch-size bucket, split-KV count): the split count follows the
         # batch's longest context, and a graph bakes it in.

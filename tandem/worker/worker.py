@@ -7,6 +7,7 @@ rank 0 (the driver rank) samples, and only its ``execute_model`` returns an outp
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from typing import Any, Optional, cast
@@ -99,7 +100,11 @@ class Worker:
                                   model_config.max_num_seqs, model_config.max_num_batched_tokens, self.device,
                                   self.dtype, attention_backend=backend, cuda_graphs=graphs,
                                   speculative=config.speculative_config, draft_model=draft)
-        self.runner.warm_gated_sampling = config.structured_outputs_sampling == "gated"
+        # The engine may gate constrained steps (auto or gated; not with speculative decoding):
+        # compile the device-side wait now, not under the first constrained request.
+        self.runner.warm_gated_sampling = (config.structured_outputs_sampling != "split"
+                                           and config.speculative_config is None
+                                           and importlib.util.find_spec("triton") is not None)
         self.draft = draft
 
     def block_bytes(self) -> int:

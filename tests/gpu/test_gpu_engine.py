@@ -231,7 +231,7 @@ def _constrained_params(n: int) -> list:
 def test_constrained_decoding_on_the_gpu_async_equals_sync(sharp_model, mode):
     """Constrained steps on CUDA: decode graphs run the forward, the bitmask (pinned, copied
     without a sync) masks the logits. Split: sampling deferred behind the next forward in
-    async mode. Gated (asked for; the CPU's default): the sampling queued with the forward behind a wait on
+    async mode. Gated (the default): the sampling queued with the forward behind a wait on
     the device for the fill thread's flag. fp32: async == sync exactly (the sync engine
     gated either way); every constrained output that ended with EOS matches its regex."""
     import re
