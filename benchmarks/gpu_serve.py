@@ -247,7 +247,8 @@ def structured_run(folder: str, count: str, args: argparse.Namespace, tmp: str, 
 
                     spy_path = os.path.join(tmp, "core.pyspy")
                     spy = start_profile(engine_core_pid(proc.pid), spy_path,
-                                        extra=["--threads", "--idle", "--nonblocking"])
+                                        extra=["--threads", "--gil" if args.profile_core_gil else "--idle",
+                                               "--nonblocking"])
                 res = run_clients(port, args, args.num_prompts, 4, tmp, structured_ratio=r)
                 if spy is not None:
                     from api_server_cpu import stop_profile
@@ -322,6 +323,9 @@ def main() -> int:
     p.add_argument("--structured-count", default="auto", help="--api-server-count of the structured runs")
     p.add_argument("--profile-core-ratio", type=float, default=None, metavar="R",
                    help="py-spy the engine core (all threads) during the structured run of share R")
+    p.add_argument("--profile-core-gil", action="store_true",
+                   help="with --profile-core-ratio: only samples that hold the GIL (py-spy --gil), not idle ones; "
+                        "a thread's own Python work, without its waits for the GIL")
     p.add_argument("--tokenizer-from", default=None, metavar="DIR",
                    help="copy this tokenizer into the model folder (a byte-level one, so grammars can spell JSON); "
                         "the model's vocabulary becomes the tokenizer's size")
