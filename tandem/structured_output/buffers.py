@@ -10,8 +10,9 @@ if TYPE_CHECKING:
 
 class BitmaskBuffers:
     """Two ``[rows, words]`` int32 buffers handed out in turn, each grown (never shrunk) to
-    the rows asked for; the caller makes sure a buffer's last reader is done before it comes
-    round again (two steps later)."""
+    at least the rows asked for, doubling (a served batch grows a request at a time, and
+    each growth is a pinned allocation on the engine thread); the caller makes sure a
+    buffer's last reader is done before it comes round again (two steps later)."""
 
     def __init__(self, words: int, pinned: bool) -> None:
         self.words = words
@@ -25,6 +26,7 @@ class BitmaskBuffers:
         self._turn ^= 1
         buf = self._bufs[self._turn]
         if buf is None or buf.shape[0] < rows:
-            buf = torch.empty((max(rows, 64), self.words), dtype=torch.int32, pin_memory=self.pinned)
+            size = max(rows, 64, 2 * (buf.shape[0] if buf is not None else 0))
+            buf = torch.empty((size, self.words), dtype=torch.int32, pin_memory=self.pinned)
             self._bufs[self._turn] = buf
         return buf[:rows]

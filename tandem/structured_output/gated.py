@@ -167,14 +167,17 @@ class GatedFills:
         """Fill one row per grammar (all ones where nothing constrains: an ended grammar, or
         one that never compiled), then raise the flag, whatever happened."""
         try:
-            live = [k for k, g in enumerate(grammars) if g.matcher is not None and not g.terminated]
-            if len(live) < len(grammars):
+            matchers = [g.matcher for g in grammars if g.matcher is not None and not g.terminated]
+            if len(matchers) == len(grammars):  # the common case: every row constrained
+                live: list[int] = list(range(len(grammars)))
+            else:
+                live = [k for k, g in enumerate(grammars) if g.matcher is not None and not g.terminated]
                 for k in set(range(len(grammars))).difference(live):
                     bitmask[k].fill_(-1)
             if live:
                 backend = self._backend()
                 assert backend is not None  # a matcher exists, so its backend does
-                backend.fill_bitmasks([grammars[k].matcher for k in live], bitmask, live)  # type: ignore[misc]
+                backend.fill_bitmasks(matchers, bitmask, live)  # type: ignore[arg-type]
         except BaseException as e:  # noqa: BLE001 - the step fails with it
             fut.set_exception(e)
         else:
@@ -207,7 +210,10 @@ class GatedFills:
         live = [(k, g) for k, g in zip(where, grammars) if g.matcher is not None and not g.terminated]
         if not live:
             return {}
-        toks = [tokens[k] for k, _ in live]
+        if len(live) == len(tokens) and isinstance(where, range):  # every row, in order
+            toks = tokens
+        else:
+            toks = [tokens[k] for k, _ in live]
         backend = self._backend()
         assert backend is not None
         accepted = backend.accept_tokens([g.matcher for _, g in live], toks)  # type: ignore[misc]

@@ -41,10 +41,14 @@ def is_ebnf(grammar: str) -> bool:
 
 
 class _XGrammarMatcher(Matcher):
-    __slots__ = ("_m",)
+    # ``native``: the matcher's native object, what the batch calls take (read once here:
+    # xgrammar's ``_handle`` is a property, and the batch calls run while another thread,
+    # the engine's, waits for the GIL).
+    __slots__ = ("_m", "native")
 
     def __init__(self, compiled: Any) -> None:
         self._m = xgr.GrammarMatcher(compiled)
+        self.native = self._m._handle
 
     def accept_token(self, token: int) -> bool:
         return self._m.accept_token(token)
@@ -75,9 +79,11 @@ class _XGrammarCompiled(CompiledGrammar):
 # with its API servers. The manager runs the calls on its fill threads, off the engine
 # thread, a share of the rows each.
 NATIVE_FILL_THREADS = 1
-# The native batch accept, without the public wrapper's conversion of every result to a
-# Python bool (``XGrammarBackend.accept_tokens``); xgrammar 0.2.x.
+# The native batch calls (xgrammar 0.2.x), on the matchers' native objects: the accept
+# without the public wrapper's conversion of every result to a Python bool
+# (``XGrammarBackend.accept_tokens``), the fill without its pass over the matchers.
 _batch_accept = xgr.matcher._core.BatchGrammarMatcher.batch_accept_token
+_NativeBatchMatcher = xgr.matcher._core.BatchGrammarMatcher
 
 
 class XGrammarBackend(GrammarBackend):
@@ -97,8 +103,7 @@ class XGrammarBackend(GrammarBackend):
         # call per matcher through xgrammar's wrapper (0.17 ms on its handles).
         if len(matchers) < 2:
             return [m._m.accept_token(t) for m, t in zip(matchers, tokens)]  # type: ignore[attr-defined]
-        handles = [m._m._handle for m in matchers]  # type: ignore[attr-defined]
-        result = _batch_accept(handles, tokens, False)
+        result = _batch_accept([m.native for m in matchers], tokens, False)  # type: ignore[attr-defined]
         if 0 not in result:  # its elements are ints (0 refused, 1 accepted): False would match none
             return [True] * len(matchers)
         return [bool(x) for x in result]
@@ -109,8 +114,8 @@ class XGrammarBackend(GrammarBackend):
             return
         batch = getattr(self._local, "batch", None)
         if batch is None:
-            batch = self._local.batch = xgr.BatchGrammarMatcher(max_threads=self.native_fill_threads)
-        batch.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, rows)  # type: ignore[attr-defined]
+            batch = self._local.batch = _NativeBatchMatcher(self.native_fill_threads)  # type: ignore[call-arg]
+        batch.batch_fill_next_token_bitmask([m.native for m in matchers], bitmask, rows, False)  # type: ignore[attr-defined]
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         c = self._compiler
