@@ -165,7 +165,9 @@ class GatedFills:
     def _fill(self, seq: int, grammars: list["RequestGrammarState"], bitmask: "torch.Tensor",
               fut: "Future[None]") -> None:
         """Fill one row per grammar (all ones where nothing constrains: an ended grammar, or
-        one that never compiled), then raise the flag, whatever happened."""
+        one that never compiled), then raise the flag, whatever happened (first: the device
+        may be waiting for it), then resolve ``fut``."""
+        error: Optional[BaseException] = None
         try:
             matchers = [g.matcher for g in grammars if g.matcher is not None and not g.terminated]
             if len(matchers) == len(grammars):  # the common case: every row constrained
@@ -179,13 +181,15 @@ class GatedFills:
                 assert backend is not None  # a matcher exists, so its backend does
                 backend.fill_bitmasks(matchers, bitmask, live)  # type: ignore[arg-type]
         except BaseException as e:  # noqa: BLE001 - the step fails with it
-            fut.set_exception(e)
-        else:
-            fut.set_result(None)
+            error = e
         finally:
             with self._filled:
                 self._flag_np[0] = seq
                 self._filled.notify_all()
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(None)
 
     def _accept(self, req_ids: list[str], grammars: list["RequestGrammarState"], output: "Future[Any]",
                 fut: "Future[Refusals]") -> None:
