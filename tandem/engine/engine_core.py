@@ -130,6 +130,8 @@ class EngineCore:
         except ValueError:
             self.executor.shutdown()  # its workers are up already
             raise
+        if self.gated_sampling:  # before init_kv_cache, whose warm-up compiles its wait
+            self.executor.collective_rpc("enable_gated_sampling")
         # Every worker must fit the cache: take the smallest count any of them reports.
         num_blocks = min(self.executor.collective_rpc("determine_num_kv_blocks"))
         self.executor.collective_rpc("init_kv_cache", num_blocks)

@@ -173,8 +173,8 @@ class ModelRunner:
         # so every rank's token table (hence every rank's next input) stays identical.
         self.tp_rank = get_tp_rank()
         self.use_graphs = cuda_graphs and device.type == "cuda" and attention_backend == "triton"
-        # Compile gated sampling's wait with the other kernels (set by the worker when the
-        # engine may gate constrained steps on CUDA; nothing else launches that kernel).
+        # Compile gated sampling's wait with the other kernels (set through the worker when
+        # the engine gates constrained steps; nothing else launches that kernel).
         self.warm_gated_sampling = False
         # Decode graphs by (batch-size bucket, split-KV count): the split count follows the
         # batch's longest context, and a graph bakes it in.

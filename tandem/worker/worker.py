@@ -7,7 +7,6 @@ rank 0 (the driver rank) samples, and only its ``execute_model`` returns an outp
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from typing import Any, Optional, cast
@@ -100,12 +99,12 @@ class Worker:
                                   model_config.max_num_seqs, model_config.max_num_batched_tokens, self.device,
                                   self.dtype, attention_backend=backend, cuda_graphs=graphs,
                                   speculative=config.speculative_config, draft_model=draft)
-        # The engine may gate constrained steps (auto or gated; not with speculative decoding):
-        # compile the device-side wait now, not under the first constrained request.
-        self.runner.warm_gated_sampling = (config.structured_outputs_sampling != "split"
-                                           and config.speculative_config is None
-                                           and importlib.util.find_spec("triton") is not None)
         self.draft = draft
+
+    def enable_gated_sampling(self) -> None:
+        """The engine gates constrained steps: ``init_kv_cache``'s warm-up compiles the
+        device-side wait too, not the first constrained request."""
+        self.runner.warm_gated_sampling = True
 
     def block_bytes(self) -> int:
         tp = self.config.tensor_parallel_size
