@@ -138,6 +138,23 @@ class CpuSampler:
                 for k, v in self.samples.items()}
 
 
+def pin_server(launcher: int, core_cpus: int) -> dict[str, list[int]]:
+    """Give the engine core (every thread) the first ``core_cpus`` CPUs of this process's
+    affinity and everything else (launcher, API servers, and through this process's own
+    affinity the bench clients started later) the rest: the experiment that tells whether
+    an oversubscribed host slows the engine thread. Threads started later inherit their
+    creator's set."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not 0 < core_cpus < len(cpus):
+        raise ValueError(f"--pin-core-cpus {core_cpus}: this host has {len(cpus)} CPUs")
+    core, rest = cpus[:core_cpus], cpus[core_cpus:]
+    for name, p in server_processes(launcher).items():
+        for tid in os.listdir(f"/proc/{p.pid}/task"):
+            os.sched_setaffinity(int(tid), core if name == "engine_core" else rest)
+    os.sched_setaffinity(0, rest)
+    return {"engine_core": core, "others": rest}
+
+
 def run_clients(port: int, args: argparse.Namespace, num_prompts: int, seed: int, tmp: str,
                 structured_ratio: float = 0.0) -> dict[str, Any]:
     """``--clients`` ``tandem bench serve`` processes at once; their results summed."""
@@ -235,6 +252,9 @@ def structured_run(folder: str, count: str, args: argparse.Namespace, tmp: str, 
     out: dict[str, Any] = {"api_server_count": count, "fill_threads": fill_threads, "sampling": sampling,
                            "runs": {}}
     try:
+        procs = server_processes(proc.pid)
+        if args.pin_core_cpus:
+            out["pinned"] = pin_server(proc.pid, args.pin_core_cpus)
         ratios = [float(r) for r in args.structured_ratios.split(",")]
         for r in ratios:  # warm-up: compile the grammar kernels and the schema once
             run_clients(port, args, max(args.clients * 8, 256), 3, tmp, structured_ratio=r)
@@ -249,7 +269,9 @@ def structured_run(folder: str, count: str, args: argparse.Namespace, tmp: str, 
                     spy = start_profile(engine_core_pid(proc.pid), spy_path,
                                         extra=["--threads", "--gil" if args.profile_core_gil else "--idle",
                                                "--nonblocking"])
+                sampler = CpuSampler(procs)
                 res = run_clients(port, args, args.num_prompts, 4, tmp, structured_ratio=r)
+                res["cpu_percent"] = sampler.stop()
                 if spy is not None:
                     from api_server_cpu import stop_profile
 
@@ -258,8 +280,12 @@ def structured_run(folder: str, count: str, args: argparse.Namespace, tmp: str, 
                     if args.out:  # the raw stacks, per thread, for a closer look
                         shutil.copy(spy_path, f"{os.path.splitext(args.out)[0]}_core_r{r:g}.pyspy")
                 rounds[f"{r:g}"].append(res)
+                cpu = res["cpu_percent"]
+                api = [v["mean"] for k, v in cpu.items() if k.startswith("api_server") and v["mean"] is not None]
                 log(f"structured share {r:g}, {sampling} sampling, {fill_threads} fill threads, round {rnd}: "
-                    f"{res['output_tok_per_s']:.0f} tok/s, TPOT {res['mean_tpot_ms']:.2f} ms, failed {res['failed']}")
+                    f"{res['output_tok_per_s']:.0f} tok/s, TPOT {res['mean_tpot_ms']:.2f} ms, failed {res['failed']}, "
+                    f"CPU% engine core {cpu.get('engine_core', {}).get('mean') or 0:.0f}, "
+                    f"API servers {statistics.mean(api) if api else 0:.0f} each")
         for key, runs in rounds.items():  # each share's median round (by throughput) stands for it
             ranked = sorted(runs, key=lambda x: x["output_tok_per_s"])
             out["runs"][key] = dict(ranked[(len(ranked) - 1) // 2],
@@ -321,6 +347,8 @@ def main() -> int:
     p.add_argument("--structured-sampling", default="auto", metavar="MODE,MODE,...",
                    help="structured runs: a server per --structured-outputs-sampling value (auto, gated, split)")
     p.add_argument("--structured-count", default="auto", help="--api-server-count of the structured runs")
+    p.add_argument("--pin-core-cpus", type=int, default=0, metavar="N",
+                   help="structured runs: the engine core on N CPUs of its own, the API servers and clients on the rest")
     p.add_argument("--profile-core-ratio", type=float, default=None, metavar="R",
                    help="py-spy the engine core (all threads) during the structured run of share R")
     p.add_argument("--profile-core-gil", action="store_true",

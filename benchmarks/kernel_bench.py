@@ -207,6 +207,36 @@ def run_bench(args: argparse.Namespace, K) -> list[dict]:
     return rows
 
 
+def sweep_tiles(args: argparse.Namespace, K) -> list[dict]:
+    """Decode at the engine's short contexts: every key-tile size x split count, so the
+    launch shape can follow the batch (one program walks ``ctx / tile_n`` dependent tiles)."""
+    shape = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size,
+                 dtype=torch.bfloat16)
+    rows: list[dict] = []
+    for bs in (64, 256):
+        for ctx in (128, 256, 512):
+            b = make_batch([1] * bs, [ctx] * bs, **shape, seed=bs + ctx)
+            out = torch.empty_like(b["q"])
+            timings = {}
+            for tn in (16, 32, 64, 128, 256):
+                for s in (1, 2, 4):
+                    if tn * s > 2 * ctx:
+                        continue
+                    try:
+                        timings[(tn, s)] = bench(lambda tn=tn, s=s, b=b, out=out: K.paged_attention(
+                            b["q"], b["kv_cache"], out, **attn_kwargs(b, num_kv_splits=s, tile_n=tn)))
+                    except Exception as e:  # a tile that does not fit shared memory
+                        print(f"  tile_n {tn}, {s} splits: {type(e).__name__}: {str(e)[:120]}")
+            best = min(timings, key=timings.get)
+            base = timings.get((64, 1))
+            print(f"decode b{bs} ctx{ctx}: tile_n 64, 1 split {base * 1e3 if base else float('nan'):.1f} us; best "
+                  f"tile_n {best[0]}, {best[1]} splits {timings[best] * 1e3:.1f} us   "
+                  + " ".join(f"{k[0]}/{k[1]}:{v * 1e3:.1f}" for k, v in sorted(timings.items())), flush=True)
+            rows.append(dict(case=f"decode b{bs} ctx{ctx}", us={f"{k[0]}/{k[1]}": v * 1e3 for k, v in timings.items()},
+                             best=list(best)))
+    return rows
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", type=int, default=14)
@@ -216,6 +246,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-sweep-splits", dest="sweep_splits", action="store_false",
                     help="only time the automatic split count for decode")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--sweep-tile-n", action="store_true",
+                    help="only the decode key-tile x split sweep at short contexts (batch 64 and 256)")
     ap.add_argument("--json", help="write the timing rows here")
     args = ap.parse_args(argv)
 
@@ -240,7 +272,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for dt in (torch.bfloat16, torch.float16):
             failures += check(args, K, dt)
     print()
-    rows = run_bench(args, K)
+    rows = sweep_tiles(args, K) if args.sweep_tile_n else run_bench(args, K)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(0), args=vars(args), rows=rows, failures=failures), f,
