@@ -138,21 +138,36 @@ class CpuSampler:
                 for k, v in self.samples.items()}
 
 
-def pin_server(launcher: int, core_cpus: int) -> dict[str, list[int]]:
-    """Give the engine core (every thread) the first ``core_cpus`` CPUs of this process's
-    affinity and everything else (launcher, API servers, and through this process's own
-    affinity the bench clients started later) the rest: the experiment that tells whether
-    an oversubscribed host slows the engine thread. Threads started later inherit their
+def physical_cores(cpus: list[int]) -> list[list[int]]:
+    """``cpus`` grouped by physical core (hyperthread siblings together), in order."""
+    groups: dict[str, list[int]] = {}
+    for c in cpus:
+        try:
+            key = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            key = str(c)
+        groups.setdefault(key, []).append(c)
+    return list(groups.values())
+
+
+def pin_server(launcher: int, core_cpus: int) -> dict[str, Any]:
+    """Give the engine core (every thread) one hyperthread of each of the first ``core_cpus``
+    physical cores of this process's affinity, leave those cores' sibling hyperthreads idle,
+    and give everything else (launcher, API servers, and through this process's own affinity
+    the bench clients started later) the remaining cores: the experiment that tells whether
+    sharing cores (with other processes, or the engine thread with its own fill thread on
+    sibling hyperthreads) slows the engine thread. Threads started later inherit their
     creator's set."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if not 0 < core_cpus < len(cpus):
-        raise ValueError(f"--pin-core-cpus {core_cpus}: this host has {len(cpus)} CPUs")
-    core, rest = cpus[:core_cpus], cpus[core_cpus:]
+    cores = physical_cores(sorted(os.sched_getaffinity(0)))
+    if not 0 < core_cpus < len(cores):
+        raise ValueError(f"--pin-core-cpus {core_cpus}: this host has {len(cores)} physical cores")
+    core = [c[0] for c in cores[:core_cpus]]
+    rest = [x for c in cores[core_cpus:] for x in c]
     for name, p in server_processes(launcher).items():
         for tid in os.listdir(f"/proc/{p.pid}/task"):
             os.sched_setaffinity(int(tid), core if name == "engine_core" else rest)
     os.sched_setaffinity(0, rest)
-    return {"engine_core": core, "others": rest}
+    return {"engine_core": core, "others": rest, "physical_cores": cores}
 
 
 def run_clients(port: int, args: argparse.Namespace, num_prompts: int, seed: int, tmp: str,
@@ -348,7 +363,8 @@ def main() -> int:
                    help="structured runs: a server per --structured-outputs-sampling value (auto, gated, split)")
     p.add_argument("--structured-count", default="auto", help="--api-server-count of the structured runs")
     p.add_argument("--pin-core-cpus", type=int, default=0, metavar="N",
-                   help="structured runs: the engine core on N CPUs of its own, the API servers and clients on the rest")
+                   help="structured runs: the engine core on N physical cores of its own (one hyperthread each, the "
+                        "siblings idle), the API servers and clients on the rest")
     p.add_argument("--profile-core-ratio", type=float, default=None, metavar="R",
                    help="py-spy the engine core (all threads) during the structured run of share R")
     p.add_argument("--profile-core-gil", action="store_true",

@@ -207,33 +207,60 @@ def run_bench(args: argparse.Namespace, K) -> list[dict]:
     return rows
 
 
+def time_graph_us(fn: Callable[[], object], reps: int = 20) -> float:
+    """Microseconds per replay of a CUDA graph of ``fn`` (no launch overhead in the figure:
+    on a slow host an eager Triton launch takes longer than the kernel)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
 def sweep_tiles(args: argparse.Namespace, K) -> list[dict]:
-    """Decode at the engine's short contexts: every key-tile size x split count, so the
-    launch shape can follow the batch (one program walks ``ctx / tile_n`` dependent tiles)."""
+    """Decode at the engine's short contexts: every key-tile size x split count, timed as a
+    CUDA graph of ``LAYERS`` launches over as many caches (nothing stays in L2), as the
+    engine's decode graph runs them; microseconds per launch."""
+    layers = 24
     shape = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size,
                  dtype=torch.bfloat16)
     rows: list[dict] = []
     for bs in (64, 256):
         for ctx in (128, 256, 512):
-            b = make_batch([1] * bs, [ctx] * bs, **shape, seed=bs + ctx)
-            out = torch.empty_like(b["q"])
+            bs_ = [make_batch([1] * bs, [ctx] * bs, **shape, seed=bs + ctx + i) for i in range(layers)]
+            outs = [torch.empty_like(b["q"]) for b in bs_]
             timings = {}
             for tn in (16, 32, 64, 128, 256):
                 for s in (1, 2, 4):
                     if tn * s > 2 * ctx:
                         continue
                     try:
-                        timings[(tn, s)] = bench(lambda tn=tn, s=s, b=b, out=out: K.paged_attention(
-                            b["q"], b["kv_cache"], out, **attn_kwargs(b, num_kv_splits=s, tile_n=tn)))
+                        timings[(tn, s)] = time_graph_us(lambda tn=tn, s=s, pairs=list(zip(bs_, outs)): [
+                            K.paged_attention(b["q"], b["kv_cache"], out,
+                                              **attn_kwargs(b, num_kv_splits=s, tile_n=tn))
+                            for b, out in pairs]) / layers
                     except Exception as e:  # a tile that does not fit shared memory
                         print(f"  tile_n {tn}, {s} splits: {type(e).__name__}: {str(e)[:120]}")
             best = min(timings, key=timings.get)
             base = timings.get((64, 1))
-            print(f"decode b{bs} ctx{ctx}: tile_n 64, 1 split {base * 1e3 if base else float('nan'):.1f} us; best "
-                  f"tile_n {best[0]}, {best[1]} splits {timings[best] * 1e3:.1f} us   "
-                  + " ".join(f"{k[0]}/{k[1]}:{v * 1e3:.1f}" for k, v in sorted(timings.items())), flush=True)
-            rows.append(dict(case=f"decode b{bs} ctx{ctx}", us={f"{k[0]}/{k[1]}": v * 1e3 for k, v in timings.items()},
+            print(f"decode b{bs} ctx{ctx}: tile_n 64, 1 split {base if base else float('nan'):.1f} us; best "
+                  f"tile_n {best[0]}, {best[1]} splits {timings[best]:.1f} us   "
+                  + " ".join(f"{k[0]}/{k[1]}:{v:.1f}" for k, v in sorted(timings.items())), flush=True)
+            rows.append(dict(case=f"decode b{bs} ctx{ctx}", us={f"{k[0]}/{k[1]}": v for k, v in timings.items()},
                              best=list(best)))
+            torch.cuda.empty_cache()
     return rows
 
 
