@@ -394,6 +394,11 @@ def main() -> int:
     ap.add_argument("--min-split-tokens", type=int, default=None,
                     help="shortest split-KV key chunk of a decode step (tandem's default: "
                          "tandem.kernels.splits.MIN_SPLIT_TOKENS)")
+    ap.add_argument("--small-batch-split-tokens", type=int, default=None,
+                    help="shortest split-KV key chunk of a decode batch small enough to leave most SMs idle "
+                         "(tandem's default: tandem.kernels.splits.SMALL_BATCH_SPLIT_TOKENS)")
+    ap.add_argument("--decode-tile-n", type=int, default=None,
+                    help="key tile of decode attention launches (tandem.kernels.attention.DECODE_TILE_N)")
     ap.add_argument("--no-gemv-unroll", action="store_true",
                     help="tandem.kernels.gemv.UNROLL_K off (on by default; the in-process engines read it at "
                          "launch)")
@@ -421,11 +426,21 @@ def main() -> int:
         import tandem.worker.model_runner as model_runner
 
         model_runner.MIN_SPLIT_TOKENS = a.min_split_tokens
+    if a.small_batch_split_tokens is not None:
+        import tandem.worker.model_runner as model_runner
+
+        model_runner.SMALL_BATCH_SPLIT_TOKENS = a.small_batch_split_tokens
+    if a.decode_tile_n is not None:
+        from tandem.kernels import attention
+
+        attention.DECODE_TILE_N = a.decode_tile_n
     logging.basicConfig(level=logging.WARNING)
     workloads = a.workloads.split(",")
     systems = a.systems.split(",")
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "min_split_tokens": a.min_split_tokens, "ceilings": measure_ceilings(), "shapes": {}}
+                              "min_split_tokens": a.min_split_tokens,
+                              "small_batch_split_tokens": a.small_batch_split_tokens, "decode_tile_n": a.decode_tile_n,
+                              "fused_merge": a.fused_merge, "ceilings": measure_ceilings(), "shapes": {}}
     log(f"ceilings: {result['ceilings']}")
     for name in a.shapes.split(","):
         shape = SHAPES[name]

@@ -237,13 +237,18 @@ def sweep_tiles(args: argparse.Namespace, K) -> list[dict]:
     shape = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size,
                  dtype=torch.bfloat16)
     rows: list[dict] = []
-    for bs in (64, 256):
-        for ctx in (128, 256, 512):
+    cases = ([(1, 128), (1, 384), (1, 640)] if args.sweep_batch1
+             else [(bs, c) for bs in (64, 256) for c in (128, 256, 512)])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fused_variants = (False, True) if args.sweep_batch1 else (False,)
+    for bs, ctx in cases:
+        for fused in fused_variants:
+            K.FUSED_MERGE = fused
             bs_ = [make_batch([1] * bs, [ctx] * bs, **shape, seed=bs + ctx + i) for i in range(layers)]
             outs = [torch.empty_like(b["q"]) for b in bs_]
             timings = {}
-            for tn in (16, 32, 64, 128, 256):
-                for s in (1, 2, 4):
+            for tn in ((16, 32, 64, 128) if bs == 1 else (16, 32, 64, 128, 256)):
+                for s in ((1, 2, 4, 8, 16, 32) if bs == 1 else (1, 2, 4)):
                     if tn * s > 2 * ctx:
                         continue
                     try:
@@ -254,11 +259,14 @@ def sweep_tiles(args: argparse.Namespace, K) -> list[dict]:
                     except Exception as e:  # a tile that does not fit shared memory
                         print(f"  tile_n {tn}, {s} splits: {type(e).__name__}: {str(e)[:120]}")
             best = min(timings, key=timings.get)
-            base = timings.get((64, 1))
-            print(f"decode b{bs} ctx{ctx}: tile_n 64, 1 split {base if base else float('nan'):.1f} us; best "
+            auto = K.choose_num_kv_splits(bs, args.kv_heads, 1, ctx, sms)
+            base = timings.get((64, auto))
+            print(f"decode b{bs} ctx{ctx}{' fused merge' if fused else ''}: tile_n 64, {auto} splits (the engine's) "
+                  f"{base if base else float('nan'):.1f} us; best "
                   f"tile_n {best[0]}, {best[1]} splits {timings[best]:.1f} us   "
                   + " ".join(f"{k[0]}/{k[1]}:{v:.1f}" for k, v in sorted(timings.items())), flush=True)
-            rows.append(dict(case=f"decode b{bs} ctx{ctx}", us={f"{k[0]}/{k[1]}": v for k, v in timings.items()},
+            rows.append(dict(case=f"decode b{bs} ctx{ctx}", fused_merge=fused, engine_splits=auto,
+                             us={f"{k[0]}/{k[1]}": v for k, v in timings.items()},
                              best=list(best)))
             torch.cuda.empty_cache()
     return rows
@@ -273,6 +281,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-sweep-splits", dest="sweep_splits", action="store_false",
                     help="only time the automatic split count for decode")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--sweep-batch1", action="store_true",
+                    help="with --sweep-tile-n: batch 1 at contexts 128-640, split counts to 32, fused merge on and off")
     ap.add_argument("--sweep-tile-n", action="store_true",
                     help="only the decode key-tile x split sweep at short contexts (batch 64 and 256)")
     ap.add_argument("--json", help="write the timing rows here")

@@ -77,6 +77,11 @@ __all__ = ["write_kv_cache", "paged_attention", "choose_num_kv_splits", "is_inte
 
 _LOG2E = 1.4426950408889634
 
+# Key tile of a decode launch (one query per sequence), if set; else the default above.
+# An experiment knob (``gpu_bench.py --decode-tile-n``): read at launch, so set it before a
+# model runner captures its graphs.
+DECODE_TILE_N: Optional[int] = None
+
 
 # ---------------------------------------------------------------------------------------
 # KV cache write
@@ -521,6 +526,8 @@ def paged_attention(
     block_q = block_m // group
     if tile_n is None:
         tile_n = 64 if head_dim_pad <= 128 else 32
+        if max_query_len == 1 and DECODE_TILE_N:
+            tile_n = DECODE_TILE_N
     block_n = max(16, tile_n)
 
     tiles_per_seq = -(-max_query_len // block_q)

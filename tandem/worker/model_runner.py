@@ -36,7 +36,8 @@ import torch
 
 from tandem.config.speculative import SpeculativeConfig
 from tandem.distributed import get_tp_rank, get_tp_world_size, tp_broadcast
-from tandem.kernels.splits import MIN_SPLIT_TOKENS, choose_num_kv_splits, decode_split_counts
+from tandem.kernels.splits import (MIN_SPLIT_TOKENS, SMALL_BATCH_SPLIT_TOKENS, choose_num_kv_splits,
+                                   decode_split_counts)
 from tandem.layers.attention import AttentionMetadata, set_forward_context
 from tandem.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, apply_token_bitmask, gather_logprobs
 from tandem.models.registry import CausalLM
@@ -193,6 +194,7 @@ class ModelRunner:
         self.num_kv_heads = 1
         # Shortest key chunk of a split-KV decode: contexts under twice this take one split.
         self.min_split_tokens = MIN_SPLIT_TOKENS
+        self.small_batch_split_tokens = SMALL_BATCH_SPLIT_TOKENS
         self.stats_steps = 0  # steps launched
         self.stats_graph_steps = 0
         self.stats_masked_graph_steps = 0  # constrained steps sampled by a masked sampling graph
@@ -367,7 +369,8 @@ class ModelRunner:
         if self.backend != "triton":
             return 1
         return choose_num_kv_splits(self._bucket(num_seqs), self.num_kv_heads, 1, min(max_seq_len, self.max_model_len),
-                                    self.num_sms, min_split_tokens=self.min_split_tokens)
+                                    self.num_sms, min_split_tokens=self.min_split_tokens,
+                                    small_batch_split_tokens=self.small_batch_split_tokens)
 
     def _step_splits(self, num_seqs: int, max_query_len: int, max_seq_len: int) -> int:
         """Split-KV count of a step: a decode batch (one query token per sequence) splits by
@@ -380,7 +383,8 @@ class ModelRunner:
         if self.backend != "triton":
             return [1]
         return decode_split_counts(self._bucket(num_seqs), self.num_kv_heads, self.max_model_len, self.num_sms,
-                                   min_split_tokens=self.min_split_tokens)
+                                   min_split_tokens=self.min_split_tokens,
+                                   small_batch_split_tokens=self.small_batch_split_tokens)
 
     def _bucket(self, num_seqs: int) -> int:
         return next((s for s in self.graph_sizes if s >= num_seqs), num_seqs)
