@@ -332,6 +332,17 @@ def test_decode_with_the_split_count_the_runner_picks(pa: ModuleType, max_len: i
         torch.testing.assert_close(out, outs[1], atol=1e-5, rtol=1e-5, equal_nan=True, msg=f"{s} splits")
 
 
+def test_decode_tile_knob_applies_to_decode_only(pa: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DECODE_TILE_N`` (an experiment knob) sets the key tile of decode launches only; a
+    decode batch under it matches the reference, and a mixed batch is unaffected by it."""
+    decode = make_batch([1] * len(DECODE_LENS), DECODE_LENS, heads=4, kv_heads=2, seed=11)
+    mixed = make_batch([1, 5, 12], [40, 21, 12], heads=4, kv_heads=2, seed=12)
+    base = run_and_check(pa, mixed)
+    monkeypatch.setattr(pa, "DECODE_TILE_N", 16)
+    run_and_check(pa, decode, num_kv_splits=2)
+    torch.testing.assert_close(run_and_check(pa, mixed), base, atol=0, rtol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("block_size,tile_n,head_dim,splits", [(4, 16, 32, 1), (16, 16, 16, 2), (32, 16, 16, 1),
                                                                (8, 32, 24, 2)])
 def test_block_and_tile_sizes(pa: ModuleType, block_size: int, tile_n: int, head_dim: int, splits: int) -> None:
