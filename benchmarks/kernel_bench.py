@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 PEAK_BW = 4.3e12  # H200 HBM3e, bytes/s
 PEAK_BF16 = 989e12  # H200 dense bf16, FLOP/s
@@ -207,32 +208,13 @@ def run_bench(args: argparse.Namespace, K) -> list[dict]:
     return rows
 
 
-def time_graph_us(fn: Callable[[], object], reps: int = 20) -> float:
-    """Microseconds per replay of a CUDA graph of ``fn`` (no launch overhead in the figure:
-    on a slow host an eager Triton launch takes longer than the kernel)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
-
-
 def sweep_tiles(args: argparse.Namespace, K) -> list[dict]:
     """Decode at the engine's short contexts: every key-tile size x split count, timed as a
-    CUDA graph of ``LAYERS`` launches over as many caches (nothing stays in L2), as the
-    engine's decode graph runs them; microseconds per launch."""
+    CUDA graph of 24 launches over as many caches (nothing stays in L2), as the engine's
+    decode graph runs them (``gemv_bench.graph_us``: the median replay); microseconds per
+    launch. Eager launches are not timed: on a slow host the launch outlasts the kernel."""
+    from gemv_bench import graph_us
+
     layers = 24
     shape = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size,
                  dtype=torch.bfloat16)
@@ -252,10 +234,10 @@ def sweep_tiles(args: argparse.Namespace, K) -> list[dict]:
                     if tn * s > 2 * ctx:
                         continue
                     try:
-                        timings[(tn, s)] = time_graph_us(lambda tn=tn, s=s, pairs=list(zip(bs_, outs)): [
+                        timings[(tn, s)] = graph_us(lambda tn=tn, s=s, pairs=list(zip(bs_, outs)): [
                             K.paged_attention(b["q"], b["kv_cache"], out,
                                               **attn_kwargs(b, num_kv_splits=s, tile_n=tn))
-                            for b, out in pairs]) / layers
+                            for b, out in pairs])[0] / layers
                     except Exception as e:  # a tile that does not fit shared memory
                         print(f"  tile_n {tn}, {s} splits: {type(e).__name__}: {str(e)[:120]}")
             best = min(timings, key=timings.get)
