@@ -150,20 +150,20 @@ def physical_cores(cpus: list[int]) -> list[list[int]]:
     return list(groups.values())
 
 
-def pin_server(launcher: int, core_cpus: int) -> dict[str, Any]:
+def pin_server(procs: dict[str, Any], core_cpus: int) -> dict[str, Any]:
     """Give the engine core (every thread) one hyperthread of each of the first ``core_cpus``
     physical cores of this process's affinity, leave those cores' sibling hyperthreads idle,
-    and give everything else (launcher, API servers, and through this process's own affinity
-    the bench clients started later) the remaining cores: the experiment that tells whether
-    sharing cores (with other processes, or the engine thread with its own fill thread on
-    sibling hyperthreads) slows the engine thread. Threads started later inherit their
-    creator's set."""
+    and give the rest of ``procs`` (``server_processes``: launcher, API servers) and, through
+    this process's own affinity, the bench clients started later the remaining cores: the
+    experiment that tells whether sharing cores (with other processes, or the engine thread
+    with its own fill thread on sibling hyperthreads) slows the engine thread. Threads
+    started later inherit their creator's set."""
     cores = physical_cores(sorted(os.sched_getaffinity(0)))
     if not 0 < core_cpus < len(cores):
         raise ValueError(f"--pin-core-cpus {core_cpus}: this host has {len(cores)} physical cores")
     core = [c[0] for c in cores[:core_cpus]]
     rest = [x for c in cores[core_cpus:] for x in c]
-    for name, p in server_processes(launcher).items():
+    for name, p in procs.items():
         for tid in os.listdir(f"/proc/{p.pid}/task"):
             os.sched_setaffinity(int(tid), core if name == "engine_core" else rest)
     os.sched_setaffinity(0, rest)
@@ -269,7 +269,7 @@ def structured_run(folder: str, count: str, args: argparse.Namespace, tmp: str, 
     try:
         procs = server_processes(proc.pid)
         if args.pin_core_cpus:
-            out["pinned"] = pin_server(proc.pid, args.pin_core_cpus)
+            out["pinned"] = pin_server(procs, args.pin_core_cpus)
         ratios = [float(r) for r in args.structured_ratios.split(",")]
         for r in ratios:  # warm-up: compile the grammar kernels and the schema once
             run_clients(port, args, max(args.clients * 8, 256), 3, tmp, structured_ratio=r)

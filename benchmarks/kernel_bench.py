@@ -223,6 +223,7 @@ def sweep_tiles(args: argparse.Namespace, K) -> list[dict]:
              else [(bs, c) for bs in (64, 256) for c in (128, 256, 512)])
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     fused_variants = (False, True) if args.sweep_batch1 else (False,)
+    fused_default = K.FUSED_MERGE
     for bs, ctx in cases:
         for fused in fused_variants:
             K.FUSED_MERGE = fused
@@ -251,6 +252,7 @@ def sweep_tiles(args: argparse.Namespace, K) -> list[dict]:
                              us={f"{k[0]}/{k[1]}": v for k, v in timings.items()},
                              best=list(best)))
             torch.cuda.empty_cache()
+    K.FUSED_MERGE = fused_default
     return rows
 
 
