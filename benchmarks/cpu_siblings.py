@@ -3,9 +3,9 @@
 A VM may present its vCPUs as cores of one thread each (``lscpu``: "Thread(s) per core: 1")
 while the hypervisor runs two of them as hyperthreads of one physical core. Then a thread
 that spins (a CUDA event wait spins by default) slows whatever Python runs on its sibling,
-every line of it alike. This probe pins a Python loop to ``--cpu`` and times it alone, then
-beside a spinning process pinned to each other CPU in turn; a sibling shows as a large
-slowdown (tens of percent), any other CPU as noise.
+every line of it alike. This probe pins a Python loop to ``--cpu`` and times it beside a
+spinning process pinned to each other CPU in turn, and reports each rate against the
+median: a sibling shows as a large slowdown (tens of percent), any other CPU as noise.
 
     python benchmarks/cpu_siblings.py --cpu 0 [--cpu 1 ...] [--json out.json]
 """
@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 
 def _spin(cpu: int, stop: "mp.synchronize.Event") -> None:
@@ -48,20 +49,34 @@ def _loop_rate(seconds: float) -> float:
 
 
 def probe(cpu: int, others: list[int], seconds: float, repeats: int) -> dict[str, float]:
-    """Slowdown of the loop on ``cpu`` beside a spinner on each of ``others`` (1.0: none)."""
+    """Slowdown of the loop on ``cpu`` beside a spinner on each of ``others``, against its
+    median rate over all of them (a sibling stands out above 1; the others sit near 1).
+    Relative to each other, not to the loop alone: alone, the core may clock differently."""
+    before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {cpu})
-    alone = statistics.median(_loop_rate(seconds) for _ in range(repeats))
-    out: dict[str, float] = {}
-    for other in others:
-        stop = mp.Event()
-        p = mp.Process(target=_spin, args=(other, stop), daemon=True)
-        p.start()
-        time.sleep(0.05)
-        beside = statistics.median(_loop_rate(seconds) for _ in range(repeats))
-        stop.set()
-        p.join()
-        out[str(other)] = alone / beside
-    return out
+    try:
+        _loop_rate(seconds)  # warm-up
+        rates: dict[str, float] = {}
+        for other in others:
+            stop = mp.Event()
+            p = mp.Process(target=_spin, args=(other, stop), daemon=True)
+            p.start()
+            time.sleep(0.05)
+            rates[str(other)] = statistics.median(_loop_rate(seconds) for _ in range(repeats))
+            stop.set()
+            p.join()
+    finally:
+        os.sched_setaffinity(0, before)
+    typical = statistics.median(rates.values())
+    return {k: typical / v for k, v in rates.items()}
+
+
+def find_sibling(cpu: int, seconds: float = 0.12, repeats: int = 3, threshold: float = 1.25) -> Optional[int]:
+    """The CPU whose spinner slows a loop on ``cpu`` by ``threshold`` or more against the
+    others (its hidden hyperthread sibling), else None."""
+    row = probe(cpu, [c for c in sorted(os.sched_getaffinity(0)) if c != cpu], seconds, repeats)
+    worst = max(row, key=row.__getitem__)
+    return int(worst) if row[worst] >= threshold else None
 
 
 def main() -> int:

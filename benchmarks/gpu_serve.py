@@ -170,6 +170,25 @@ def pin_server(procs: dict[str, Any], core_cpus: int) -> dict[str, Any]:
     return {"engine_core": core, "others": rest, "physical_cores": cores}
 
 
+def isolate_engine_thread(procs: dict[str, Any], cpu: int) -> dict[str, Any]:
+    """Give the engine thread (the engine core's main thread) ``cpu`` alone, and keep its
+    hidden hyperthread sibling (``cpu_siblings.find_sibling``: a VM may show every vCPU as
+    a core) idle: every other thread of the server, the engine core's own fill thread
+    included, and the bench clients started later run on the remaining CPUs. Done after
+    the warm-up, which starts the engine core's threads (a thread inherits its creator's
+    set). Tells whether what shares the engine thread's physical core slows it."""
+    from cpu_siblings import find_sibling
+
+    sibling = find_sibling(cpu)
+    rest = [c for c in sorted(os.sched_getaffinity(0)) if c not in (cpu, sibling)]
+    core_pid = procs["engine_core"].pid
+    for p in procs.values():
+        for tid in os.listdir(f"/proc/{p.pid}/task"):
+            os.sched_setaffinity(int(tid), [cpu] if int(tid) == core_pid else rest)
+    os.sched_setaffinity(0, rest)
+    return {"engine_thread": cpu, "sibling_left_idle": sibling, "others": rest}
+
+
 def run_clients(port: int, args: argparse.Namespace, num_prompts: int, seed: int, tmp: str,
                 structured_ratio: float = 0.0) -> dict[str, Any]:
     """``--clients`` ``tandem bench serve`` processes at once; their results summed."""
@@ -273,6 +292,9 @@ def structured_run(folder: str, count: str, args: argparse.Namespace, tmp: str, 
         ratios = [float(r) for r in args.structured_ratios.split(",")]
         for r in ratios:  # warm-up: compile the grammar kernels and the schema once
             run_clients(port, args, max(args.clients * 8, 256), 3, tmp, structured_ratio=r)
+        if args.isolate_engine_thread is not None:
+            out["isolated"] = isolate_engine_thread(procs, args.isolate_engine_thread)
+            log(f"engine thread isolated: {out['isolated']}")
         rounds: dict[str, list[dict[str, Any]]] = {f"{r:g}": [] for r in ratios}
         for rnd in range(args.structured_rounds):  # the ratios interleaved, round after round
             for r in ratios:
@@ -365,6 +387,9 @@ def main() -> int:
     p.add_argument("--pin-core-cpus", type=int, default=0, metavar="N",
                    help="structured runs: the engine core on N physical cores of its own (one hyperthread each, the "
                         "siblings idle), the API servers and clients on the rest")
+    p.add_argument("--isolate-engine-thread", type=int, default=None, metavar="CPU",
+                   help="structured runs: the engine thread alone on CPU, its hidden hyperthread sibling (probed) idle, "
+                        "everything else on the other CPUs")
     p.add_argument("--profile-core-ratio", type=float, default=None, metavar="R",
                    help="py-spy the engine core (all threads) during the structured run of share R")
     p.add_argument("--profile-core-gil", action="store_true",
