@@ -388,7 +388,8 @@ def main() -> int:
                    help="structured runs: the engine core on N physical cores of its own (one hyperthread each, the "
                         "siblings idle), the API servers and clients on the rest")
     p.add_argument("--isolate-engine-thread", type=int, default=None, metavar="CPU",
-                   help="structured runs: the engine thread alone on CPU, its hidden hyperthread sibling (probed) idle, "
+                   help="structured runs: the engine thread alone on CPU, its hidden hyperthread sibling (probed) "
+                        "idle, "
                         "everything else on the other CPUs")
     p.add_argument("--profile-core-ratio", type=float, default=None, metavar="R",
                    help="py-spy the engine core (all threads) during the structured run of share R")
