@@ -212,12 +212,17 @@ def test_case12_each_decode_reads_its_own_previous_token(tiny_llama):
 
 
 # -- 13. errors surface ----------------------------------------------------------------------------
-@pytest.mark.parametrize("constrained", [False, True])
+@pytest.mark.parametrize("constrained,fill_thread", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("where", ["model", "sampler"])
 @pytest.mark.parametrize("a", [False, True])
-def test_case13_injected_error_reaches_caller_engine_stays_usable(tiny_llama, monkeypatch, where, a, constrained):
-    """(constrained: the failing step is one of the two calls of a constrained step.)"""
+def test_case13_injected_error_reaches_caller_engine_stays_usable(tiny_llama, monkeypatch, where, a, constrained,
+                                                                  fill_thread):
+    """(constrained: the failing step is a gated constrained step; with ``fill_thread`` its
+    fills run on their thread, as on CUDA, and the fill after the failed step waits for the
+    failed step's accept, which must still run.)"""
     llm = LLM(tiny_llama, async_scheduling=a, block_size=4, num_kv_blocks=128)
+    if fill_thread:
+        llm.engine.core.structured.set_gated_background(True)
     runner = llm.engine.core.executor.worker.runner
     target = runner.model if where == "model" else runner.sampler
     orig = target.forward
