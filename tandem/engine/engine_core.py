@@ -20,9 +20,8 @@ Hence the three failure modes the overlap design is known for cannot occur here:
 **Constrained steps (structured outputs)** can be gated where the worker runs in this process
 (``structured_outputs_sampling``, the default; ``tandem.structured_output.gated``): one call, like any
 step, whose sampling waits on the device for the bitmask that the gated fill thread fills
-meanwhile, once this thread has advanced the grammars by the earlier steps' tokens (the
-accept of a step, run when the step is applied, or at the start of the next step where its
-ids are on the host already). Otherwise (split) they
+meanwhile, after advancing the grammars by the earlier steps' tokens itself; the step's
+refusals come back with its accept when the step is applied. Otherwise (split) they
 run in two calls, as in vLLM: ``execute_model``
 launches the forward pass only, and ``sample_tokens(GrammarOutput)`` applies the token
 bitmask and samples. The bitmask of a request needs every token before it, so with a step

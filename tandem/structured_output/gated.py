@@ -15,9 +15,7 @@ fills run on a thread of their own, in launch order; the accepts run on the engi
     launch S:    fill(S)    (fill thread) once accept(S-1) is done: write S's bitmask, raise
                             the flag to S's number
     complete S:  accept(S)  (engine thread) S's sampled ids are on the host: advance the
-                            matchers, note the refusals, let fill(S+1) go; earlier, at
-                            the start of the engine's next step, where the ids are there
-                            already, so the fill runs while the engine thread launches
+                            matchers, note the refusals, let fill(S+1) go
 
 Every token a request of step S received came from an earlier step, whose accept precedes
 fill(S): the matchers are current when S's rows are filled. No two threads touch a matcher
