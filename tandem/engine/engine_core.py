@@ -60,7 +60,7 @@ from tandem.scheduler.kv_cache import KVCacheManager
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.spec import SpecScheduling
 from tandem.structured_output import PendingGrammarOutput, StructuredOutputManager
-from tandem.structured_output.gated import Refusals, StepAccept
+from tandem.structured_output.gated import Refusals
 from tandem.types.engine_output import EngineCoreOutput
 from tandem.types.request import Request
 from tandem.types.runner_output import ModelRunnerOutput
@@ -102,7 +102,7 @@ class InFlightStep:
     output: Optional[Future[ModelRunnerOutput]]
     forward: Optional[Future[Any]] = None
     grammar: Optional[PendingGrammarOutput] = None
-    gated: Optional[tuple[Future[None], StepAccept]] = None
+    gated: Optional[tuple[Future[None], Future[Refusals]]] = None
 
 
 @dataclass
@@ -233,10 +233,6 @@ class EngineCore:
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         launched = False
-        if self.batch_queue and self.batch_queue[0].gated is not None:
-            # Its ids are on the host already (the engine is behind the device): advance its
-            # grammars now, so the next fill runs while this thread launches the next step.
-            self.batch_queue[0].gated[1].run_if_ready()
         if (len(self.batch_queue) < self.depth and self.scheduler.has_unfinished_requests()
                 and self._bitmasks_started()):
             launched = self._launch_next()
@@ -458,8 +454,6 @@ class EngineCore:
                 refusals = step.gated[1].result()
         except Exception as e:  # the step failed: fail its requests, keep the engine usable
             with deferred_interrupts():
-                if step.gated is not None:  # the next fill waits for this step's accept, failed or not
-                    step.gated[1].run()
                 self.batch_queue.popleft()
                 self._undelivered += self._fail_inflight(step.so, e)
             return

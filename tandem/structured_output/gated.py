@@ -9,28 +9,26 @@ sampling call all ran on it.
 Gated, the engine thread launches the forward *and* the masked sampling at once
 (``SchedulerOutput.grammar``); the sampling waits on the device for a flag that says the
 bitmask is filled (``tandem.kernels.host_flag``; a CPU worker waits on the host), so the
-device goes on as soon as the bitmask is there, whatever the engine thread is doing. The
-fills run on a thread of their own, in launch order; the accepts run on the engine thread:
+device goes on as soon as the bitmask is there, whatever the engine thread is doing. All the
+grammar work runs here, on one thread of its own, in launch order:
 
-    launch S:    fill(S)    (fill thread) once accept(S-1) is done: write S's bitmask, raise
-                            the flag to S's number
-    complete S:  accept(S)  (engine thread) S's sampled ids are on the host: advance the
-                            matchers, note the refusals, let fill(S+1) go
+    launch S:  fill(S)    write S's bitmask, raise the flag to S's number
+               accept(S)  wait for S's sampled ids (their host copy), advance the matchers
 
 Every token a request of step S received came from an earlier step, whose accept precedes
-fill(S): the matchers are current when S's rows are filled. No two threads touch a matcher
-at once: fill(S) is done before S's ids exist (they are sampled behind its flag), and
-fill(S+1) waits for accept(S). The accept stays on the engine thread, which needs its
-refusals to apply the step anyway: on the fill thread it had to wait for the step's ids on
-the device itself (a spinning CUDA event wait, or a sleeping one that wakes late), and the
-engine thread then waited for it, a cross-thread hand-over on every step's critical path.
-Now the fill thread sleeps on a condition between fills and takes the GIL twice a step.
+fill(S) on the thread: the matchers are current when S's rows are filled, with no wait on the
+engine thread. The engine thread touches no matcher of a live request: it reads accept(S)'s
+refusals (with their explanation, worked out here from the matcher that refused) when it
+applies step S. A fill that fails still raises its flag (the device never waits for ever)
+and fails its step.
 
-A CPU worker waits for its gate on the engine thread, inside the launch of S+1, before the
-engine completes S: there ``wait_filled`` runs the accepts still pending first (a CPU step's
-ids exist when its launch returns). A fill that fails still raises its flag (the device
-never waits for ever) and fails its step. On the CPU (``background=False``) the fills run
-inline as they are submitted, after running any accept still pending.
+On the CPU (``background=False``) the jobs run inline as they are submitted: a CPU step's
+ids exist when its launch returns, so the order above holds with nobody waiting.
+
+The thread competes with the engine thread for the GIL whenever it leaves native code (a
+step's ids arrive; a fill returns). CPython lets a waiting thread in only after a switch
+interval of the holder's pure-Python work (5 ms by default), longer than a served step, so
+the interval is shortened to ``SWITCH_INTERVAL_S`` once the thread starts.
 """
 from __future__ import annotations
 
@@ -52,9 +50,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# The GIL switch interval while the gated fill thread runs (CPython's default is 5 ms): the
-# thread takes the GIL when a fill starts and when it returns, and a waiting thread gets in
-# only after a switch interval of the holder's pure-Python work, longer than a served step.
+# The GIL switch interval while the gated fill thread runs (CPython's default is 5 ms).
 SWITCH_INTERVAL_S = 0.0002
 
 # A refused token: its position in the step's output, and why (``explain_refusal``).
@@ -77,52 +73,9 @@ class BitmaskGate:
         self._owner.wait_filled(self.seq)
 
 
-class StepAccept(Future):  # type: ignore[type-arg]
-    """accept(S) as a future of its refusals: it runs, once, on the first ``result()`` (the
-    engine thread applying S, or a CPU worker's wait at a later gate), which waits for S's
-    ids, advances S's grammars and lets the fill thread go on. An interrupt while waiting for
-    the ids leaves it to run again on a later ``result()``, like the step's own output."""
-
-    def __init__(self, owner: "GatedFills", req_ids: list[str], grammars: list["RequestGrammarState"],
-                 output: "Future[Any]") -> None:
-        super().__init__()
-        self._owner = owner
-        self._args = (req_ids, grammars, output)
-        self._lock = threading.Lock()
-
-    def run(self) -> None:
-        with self._lock:
-            if self.done():
-                return
-            req_ids, grammars, output = self._args
-            try:
-                out = output.result()
-            except Exception as e:  # the step failed: its requests fail with it
-                self.set_exception(e)
-            else:
-                try:
-                    self.set_result(self._owner._accept(req_ids, grammars, out))
-                except Exception as e:  # noqa: BLE001 - the engine fails the step
-                    self.set_exception(e)
-            self._args = ()  # type: ignore[assignment]
-        self._owner._accepted()
-
-    def run_if_ready(self) -> None:
-        """Run now if the step's ids are on the host already (never waits for them)."""
-        if self.done():
-            return
-        ready = getattr(self._args[2], "ready", None)  # an in-process step's output future
-        if ready is not None and ready():
-            self.run()
-
-    def result(self, timeout: Optional[float] = None) -> Refusals:
-        self.run()
-        return super().result()
-
-
 class GatedFills:
-    """The fill thread of gated sampling (or the inline runner of its fills on the CPU), its
-    flag, its bitmask buffers and the accepts not yet run."""
+    """The fill thread of gated sampling (or the inline runner of its jobs on the CPU), its
+    flag and its bitmask buffers."""
 
     def __init__(self, bitmask_words: int, stop_token_ids: frozenset[int], background: bool, pinned: bool,
                  backend: Callable[[], Optional["GrammarBackend"]]) -> None:
@@ -144,10 +97,6 @@ class GatedFills:
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._closed = False
-        # Accepts in launch order, until they have run; the fill thread waits on
-        # ``_accepts_done`` for the one before its fill.
-        self._pending: list[StepAccept] = []
-        self._accepts_done = threading.Condition()
         self.num_steps = 0
 
     # -- the engine thread ------------------------------------------------------------------
@@ -155,61 +104,43 @@ class GatedFills:
                   ) -> tuple[GrammarOutput, "Future[None]"]:
         """At step ``step_id``'s launch, before ``execute_model``: its ``GrammarOutput`` (a
         row per constrained request that samples, in ``req_ids`` order, gated) and the
-        future of its fill, which starts once the accept of the gated step before it has
-        run. ``req_ids`` and ``grammars`` are read later, on the thread: the caller hands
-        them over and changes them no more."""
+        future of its fill. ``req_ids`` and ``grammars`` are read later, on the thread: the
+        caller hands them over and changes them no more."""
         self._seq += 1
         seq = self._seq
         bitmask = self._bufs.next(len(req_ids))
         fut: "Future[None]" = Future()
-        prev = self._pending[-1] if self._pending else None
-        self._submit(lambda: self._fill(seq, grammars, bitmask, fut, prev))
+        self._submit(lambda: self._fill(seq, grammars, bitmask, fut))
         self.num_steps += 1
         return GrammarOutput(step_id, req_ids, bitmask, gate=BitmaskGate(self.flag, seq, self)), fut
 
     def accept_step(self, req_ids: list[str], grammars: list["RequestGrammarState"],
-                    output: "Future[Any]") -> StepAccept:
-        """Right after step S's launch: the accept that advances ``grammars`` (of
-        ``req_ids``) by the ids the step samples, once ``output`` (its ``ModelRunnerOutput``
-        future) has them; its ``result()`` runs it and gives the refused positions of the
-        output, with the reason. Every step's accept must be read (the next fill waits for
-        it), the failed step's too."""
-        accept = StepAccept(self, req_ids, grammars, output)
-        self._pending.append(accept)
-        return accept
+                    output: "Future[Any]") -> "Future[Refusals]":
+        """Right after step S's launch: advance ``grammars`` (of ``req_ids``) by the ids the
+        step samples, once ``output`` (its ``ModelRunnerOutput`` future) has them. Resolves
+        to the refused positions of the output, with the reason."""
+        fut: "Future[Refusals]" = Future()
+        self._submit(lambda: self._accept(req_ids, grammars, output, fut))
+        return fut
 
     def wait_filled(self, seq: int) -> None:
-        """Block until bitmask ``seq`` is filled (a CPU worker's wait, on the engine thread
-        inside a launch): the accepts still pending run first, or the fill would wait for
-        them while the engine thread waits for the fill."""
-        for accept in list(self._pending):
-            accept.run()
+        """Block until bitmask ``seq`` is filled (a CPU worker's wait)."""
         with self._filled:
             while int(self._flag_np[0]) < seq:
                 self._filled.wait()
 
     def shutdown(self) -> None:
-        """Stop the thread after the fills queued (each raises its flag; one whose accept
-        never ran fails)."""
+        """Stop the thread after the jobs queued (each raises its flag)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             thread = self._thread
-        with self._accepts_done:
-            self._accepts_done.notify_all()
         if thread is not None:
             self._jobs.put(None)
             thread.join()
 
-    def _accepted(self) -> None:
-        """An accept has run: drop the finished ones from the front, wake the fill thread."""
-        with self._accepts_done:
-            while self._pending and self._pending[0].done():
-                self._pending.pop(0)
-            self._accepts_done.notify_all()
-
-    # -- fills ------------------------------------------------------------------------------
+    # -- jobs -------------------------------------------------------------------------------
     def _submit(self, job: Callable[[], None]) -> None:
         if not self.background:
             job()
@@ -231,28 +162,13 @@ class GatedFills:
                 return
             job()
 
-    def _await_accept(self, prev: Optional[StepAccept]) -> None:
-        """Before a fill: the accept of the gated step launched before it has run (inline:
-        run it here)."""
-        if prev is None or prev.done():
-            return
-        if not self.background:
-            prev.run()
-            return
-        with self._accepts_done:
-            while not prev.done():
-                if self._closed:
-                    raise RuntimeError("the engine shut down before the step before this one was applied")
-                self._accepts_done.wait()
-
     def _fill(self, seq: int, grammars: list["RequestGrammarState"], bitmask: "torch.Tensor",
-              fut: "Future[None]", prev: Optional[StepAccept]) -> None:
+              fut: "Future[None]") -> None:
         """Fill one row per grammar (all ones where nothing constrains: an ended grammar, or
         one that never compiled), then raise the flag, whatever happened (first: the device
         may be waiting for it), then resolve ``fut``."""
         error: Optional[BaseException] = None
         try:
-            self._await_accept(prev)
             matchers = [g.matcher for g in grammars if g.matcher is not None and not g.terminated]
             if len(matchers) == len(grammars):  # the common case: every row constrained
                 live: list[int] = list(range(len(grammars)))
@@ -275,11 +191,24 @@ class GatedFills:
         else:
             fut.set_result(None)
 
-    # -- accepts (``StepAccept.run``, on the engine thread) ---------------------------------
-    def _accept(self, req_ids: list[str], grammars: list["RequestGrammarState"], out: Any) -> Refusals:
-        """Advance each live grammar by its request's id in ``out`` (the step's
-        ``ModelRunnerOutput``); the refused positions."""
-        out_ids, tokens = out.req_ids, out.sampled_token_ids
+    def _accept(self, req_ids: list[str], grammars: list["RequestGrammarState"], output: "Future[Any]",
+                fut: "Future[Refusals]") -> None:
+        try:
+            wait_quietly = getattr(output, "wait_quietly", None)  # an in-process step's future
+            if wait_quietly is not None:
+                wait_quietly()  # asleep, not spinning a core beside the engine thread
+            out = output.result()
+        except BaseException as e:  # noqa: BLE001 - the step failed: its requests fail with it
+            fut.set_exception(e)
+            return
+        try:
+            fut.set_result(self._advance(req_ids, grammars, out.req_ids, out.sampled_token_ids))
+        except BaseException as e:  # noqa: BLE001 - the engine fails the step
+            fut.set_exception(e)
+
+    def _advance(self, req_ids: list[str], grammars: list["RequestGrammarState"], out_ids: list[str],
+                 tokens: list[int]) -> Refusals:
+        """Advance each live grammar by its request's sampled id; the refused positions."""
         if out_ids == req_ids:
             where: Sequence[int] = range(len(req_ids))
         else:

@@ -111,8 +111,8 @@ class RequestGrammarState:
         return self.refusal_reason(token)
 
     def refusal_reason(self, token: int) -> tuple[str, bool]:
-        """``explain_refusal`` where no fill can be reading the matcher (gated sampling's
-        accept: the next fill waits for it), so without waiting for one."""
+        """``explain_refusal`` on the thread that owns the matcher (gated sampling's fill
+        thread), which need not wait for a fill."""
         import torch
 
         assert self.matcher is not None

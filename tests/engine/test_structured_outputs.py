@@ -373,22 +373,21 @@ def test_front_end_imports_no_grammar_library_and_no_torch():
 
 # -- gated sampling (the default for a worker in the engine's process) ---------------------------
 def record_gated_jobs(e: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    """The gated fills (on the fill thread, or inline) and accepts (on the engine thread) as
-    they start: ("fill", sequence number of the bitmask), once the fill may read the
-    matchers, and ("accept", step id)."""
+    """The gated fill thread's jobs as they start: ("fill", sequence number of the bitmask)
+    and ("accept", step id); the fill of step S carries S's number, kept in ``seq_of``."""
     from tandem.structured_output.gated import GatedFills
 
     jobs: list[tuple[str, int]] = []
     fill, accept = GatedFills._fill, GatedFills._accept
 
-    def spy_fill(self, seq, grammars, bitmask, fut, prev):
-        self._await_accept(prev)
+    def spy_fill(self, seq, grammars, bitmask, fut):
         jobs.append(("fill", seq))
-        return fill(self, seq, grammars, bitmask, fut, prev)
+        return fill(self, seq, grammars, bitmask, fut)
 
-    def spy_accept(self, req_ids, grammars, out):
+    def spy_accept(self, req_ids, grammars, output, fut):
+        out = output.result()
         jobs.append(("accept", out.step_id))
-        return accept(self, req_ids, grammars, out)
+        return accept(self, req_ids, grammars, output, fut)
 
     monkeypatch.setattr(GatedFills, "_fill", spy_fill)
     monkeypatch.setattr(GatedFills, "_accept", spy_accept)
@@ -398,9 +397,9 @@ def record_gated_jobs(e: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[tup
 @pytest.mark.parametrize("background", [False, True])
 def test_a_gated_step_is_one_call_and_its_fill_follows_every_earlier_accept(tiny_llama, monkeypatch, background):
     """Async, gated: a constrained step is one ``execute_model`` call (no ``sample_tokens``);
-    each step's fill (on the fill thread, or inline) comes after the accepts (on the engine
-    thread) of every step launched before it and before its own accept, so a bitmask is
-    always filled from matchers that hold every token before its step; tokens equal sync."""
+    on the fill thread (or inline) each step's fill comes after the accepts of every step
+    launched before it and before its own accept, so a bitmask is always filled from
+    matchers that hold every token before its step; tokens equal sync."""
     items = [WorkItem(f"c{i}", [5 + i, 6, 7], constrained(6 + 3 * i), arrive_step=i) for i in range(4)]
     items += [WorkItem(f"u{i}", [8, 9, i + 3], SamplingParams(temperature=0.8, seed=40 + i, max_tokens=4 + 5 * i),
                        arrive_step=i) for i in range(3)]
@@ -473,8 +472,8 @@ def test_a_slow_fill_holds_the_cpu_worker_at_the_gate_and_tokens_equal_sync(tiny
 def test_a_refused_token_ends_its_request_with_the_grammars_reason(tiny_llama, mode, a):
     """A complete answer whose stop token min_tokens forbids leaves the masked sampler no
     allowed token: the token it picks is refused, and the request ends with the grammar's
-    reason as its own fault (worked out where the matcher is advanced); the other requests
-    go on."""
+    reason as its own fault (worked out on the gated fill thread, where the matcher lives);
+    the other requests go on."""
     e = engine(tiny_llama, a, structured_outputs_sampling=mode)
     if mode == "gated":
         e.core.structured.set_gated_background(True)
@@ -506,11 +505,11 @@ def test_a_failing_gated_fill_fails_its_step_and_the_engine_goes_on(tiny_llama, 
     fill = GatedFills._fill
     calls = [0]
 
-    def failing(self, seq, grammars, bitmask, fut, prev):
+    def failing(self, seq, grammars, bitmask, fut):
         calls[0] += 1
         if calls[0] == 3:
             grammars = [None]  # the fill itself raises (no grammar state)
-        return fill(self, seq, grammars, bitmask, fut, prev)
+        return fill(self, seq, grammars, bitmask, fut)
 
     monkeypatch.setattr(GatedFills, "_fill", failing)
     items = [WorkItem("c", [5, 6, 7], constrained(10)), WorkItem("u", [8, 9], SamplingParams(temperature=0,
