@@ -49,12 +49,6 @@ class _StepFuture(Future):
                 # with the future unresolved, and a later ``result()`` completes the step.
         return super().result()
 
-    def wait_quietly(self) -> None:
-        """Sleep until the step's host copy is done, without resolving the future (a thread
-        that then calls ``result()`` finds the copy finished)."""
-        if not self.done():
-            self._launched.wait_quietly()
-
 
 class UniProcExecutor(Executor):
     in_process = True

@@ -194,9 +194,6 @@ class GatedFills:
     def _accept(self, req_ids: list[str], grammars: list["RequestGrammarState"], output: "Future[Any]",
                 fut: "Future[Refusals]") -> None:
         try:
-            wait_quietly = getattr(output, "wait_quietly", None)  # an in-process step's future
-            if wait_quietly is not None:
-                wait_quietly()  # asleep, not spinning a core beside the engine thread
             out = output.result()
         except BaseException as e:  # noqa: BLE001 - the step failed: its requests fail with it
             fut.set_exception(e)

@@ -68,8 +68,6 @@ class AsyncModelOutput:
         self.step_id = step_id
         self.req_ids = req_ids
         self._event: Optional[torch.cuda.Event] = None
-        self._quiet_event: Optional[torch.cuda.Event] = None
-        self._copy_stream = copy_stream
         self._ring = ring
         self._slot: Optional[int] = None
         tensors = []
@@ -114,22 +112,6 @@ class AsyncModelOutput:
     def copy_event(self) -> Optional[torch.cuda.Event]:
         """Recorded on the side stream after the host copies (None on the CPU)."""
         return self._event
-
-    def record_quiet_event(self) -> None:
-        """Also record an event that ``wait_quietly`` sleeps on (``cudaEventBlockingSync``),
-        right behind this step's host copies on the side stream. ``get()`` spins on its event
-        (CUDA's default wait), which is what the engine thread wants for its latency; a helper
-        thread that waits for the same step (gated sampling's fill thread) would spin a core
-        of its own for most of every step, and slow whatever shares that core."""
-        if self._copy_stream is not None:
-            self._quiet_event = torch.cuda.Event(blocking=True)
-            self._quiet_event.record(self._copy_stream)
-
-    def wait_quietly(self) -> None:
-        """Block, asleep, until the host copies are done (``record_quiet_event``); at once
-        without that event. ``get()`` still reads the results."""
-        if self._quiet_event is not None:
-            self._quiet_event.synchronize()
 
     def get(self) -> ModelRunnerOutput:
         if self._result is not None:

@@ -177,9 +177,6 @@ class ModelRunner:
         # Compile gated sampling's wait with the other kernels (set through the worker when
         # the engine gates constrained steps; nothing else launches that kernel).
         self.warm_gated_sampling = False
-        # Gated steps' outputs carry an event the fill thread sleeps on (``AsyncModelOutput.
-        # record_quiet_event``); set through the worker with gated sampling.
-        self.quiet_gated_waits = False
         # Decode graphs by (batch-size bucket, split-KV count): the split count follows the
         # batch's longest context, and a graph bakes it in.
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph,
@@ -758,10 +755,7 @@ class ModelRunner:
                                   layout.num_rows if layout is not None else None)
         if so.grammar is not None:  # gated: sample now, behind the wait for the bitmask
             self._await_gate(so.grammar)
-            out = self._sample(forward, so.grammar)
-            if self.quiet_gated_waits:  # the gated fill thread waits for these ids too
-                out.record_quiet_event()
-            return out
+            return self._sample(forward, so.grammar)
         if so.grammar_req_ids:
             self._pending = forward
             return None

@@ -103,11 +103,8 @@ class Worker:
 
     def enable_gated_sampling(self) -> None:
         """The engine gates constrained steps: ``init_kv_cache``'s warm-up compiles the
-        device-side wait too, not the first constrained request. The fill thread sleeps while it
-        waits for a gated step's ids unless ``TANDEM_GATED_WAIT=spin`` (CUDA's default wait,
-        which keeps a core spinning for most of every step)."""
+        device-side wait too, not the first constrained request."""
         self.runner.warm_gated_sampling = True
-        self.runner.quiet_gated_waits = os.environ.get("TANDEM_GATED_WAIT", "sleep").lower() != "spin"
 
     def block_bytes(self) -> int:
         tp = self.config.tensor_parallel_size

@@ -218,8 +218,8 @@ def test_case12_each_decode_reads_its_own_previous_token(tiny_llama):
 def test_case13_injected_error_reaches_caller_engine_stays_usable(tiny_llama, monkeypatch, where, a, constrained,
                                                                   fill_thread):
     """(constrained: the failing step is a gated constrained step; with ``fill_thread`` its
-    fills run on their thread, as on CUDA, and the fill after the failed step waits for the
-    failed step's accept, which must still run.)"""
+    fills and accepts run on their thread, as on CUDA, where the failed step's accept fails
+    and the fills after it still run.)"""
     llm = LLM(tiny_llama, async_scheduling=a, block_size=4, num_kv_blocks=128)
     if fill_thread:
         llm.engine.core.structured.set_gated_background(True)
