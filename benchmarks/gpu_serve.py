@@ -389,8 +389,7 @@ def main() -> int:
                         "siblings idle), the API servers and clients on the rest")
     p.add_argument("--isolate-engine-thread", type=int, default=None, metavar="CPU",
                    help="structured runs: the engine thread alone on CPU, its hidden hyperthread sibling (probed) "
-                        "idle, "
-                        "everything else on the other CPUs")
+                        "idle, everything else on the other CPUs")
     p.add_argument("--profile-core-ratio", type=float, default=None, metavar="R",
                    help="py-spy the engine core (all threads) during the structured run of share R")
     p.add_argument("--profile-core-gil", action="store_true",
