@@ -34,6 +34,10 @@ class EnvSwitches:
     - ``TANDEM_PDL`` (``pdl``): the Triton decoder-layer kernels launch with programmatic
       dependent launch (``tandem.kernels.pdl``) on a Hopper or later GPU, so each may start
       while the one before it finishes (0.5B batch 1 on an H100: +8-14%); ``0`` turns it off.
+    - ``TANDEM_MIXED_GRAPH_MAX_TOKENS`` (``mixed_graph_max_tokens``): with CUDA graphs, a
+      batch that is not pure decode (prefill chunks beside decodes) of up to this many tokens
+      replays a graph captured for its token bucket (``tandem.worker.model_runner``); 0 runs
+      every such batch eagerly. Default 1024.
     """
 
     cache_dir: str = "~/.cache/tandem"
@@ -42,6 +46,7 @@ class EnvSwitches:
     ray_wait_for_resources: bool = False
     gemv_max_rows: Optional[int] = None
     pdl: bool = True
+    mixed_graph_max_tokens: int = 1024
 
     @classmethod
     def from_environ(cls, environ: Optional[dict[str, str]] = None) -> "EnvSwitches":
@@ -53,6 +58,7 @@ class EnvSwitches:
             ray_wait_for_resources=env.get("TANDEM_RAY_WAIT_FOR_RESOURCES", "").lower() in ("1", "true", "yes"),
             gemv_max_rows=int(env["TANDEM_GEMV_MAX_ROWS"]) if env.get("TANDEM_GEMV_MAX_ROWS") else None,
             pdl=env.get("TANDEM_PDL", "1").lower() not in ("0", "false", "no"),
+            mixed_graph_max_tokens=int(env.get("TANDEM_MIXED_GRAPH_MAX_TOKENS") or cls.mixed_graph_max_tokens),
         )
 
     @property

@@ -9,7 +9,9 @@ One step, in order (all on the compute stream; the host never waits for the devi
    mapping, sequence lengths, new tokens/blocks to write, logits rows, sampling parameters
    — into one pinned buffer, and ``upload()`` it in one non-blocking copy.
 3. Write new prompt tokens and block ids into their device tables; run the model: a
-   captured CUDA graph for a pure-decode batch (padded to its bucket), eagerly otherwise.
+   captured CUDA graph for a pure-decode batch (padded to its bucket), another for a mixed
+   batch (prefill chunks beside decodes, padded to a token bucket, up to
+   ``TANDEM_MIXED_GRAPH_MAX_TOKENS``), eagerly otherwise.
    The graph's inputs are read on the device from the token table, after the previous
    step's sampler wrote it (stream order) and before the replay, whatever the batch order.
 4. Sample, scatter the sampled ids into the token table (where step N+1 gathers them), and
@@ -53,6 +55,12 @@ logger = logging.getLogger(__name__)
 _INT64 = np.dtype(np.int64)
 _INT32 = np.dtype(np.int32)
 _F32 = np.dtype(np.float32)
+
+
+# Token buckets of the mixed-batch graphs. Served, nearly every step is mixed: a request or
+# two arrive while 256 decode, and each such step ran eagerly, ~250 launches from Python on
+# the engine thread, the bound of a served step (py-spy, H100 hosts).
+MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1536, 2048)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -115,6 +123,7 @@ class PreparedStep:
     plan: StepPlan
     graph_size: Optional[int] = None  # the decode graph's bucket, if one runs the step
     verify_size: Optional[int] = None  # the verify graph's bucket (speculative decoding)
+    mixed_size: Optional[int] = None  # the mixed graph's token bucket
     segs: Any = None  # BatchSegments
     qsl: Any = None  # np.ndarray int32 [B + 1] query start locations
     seq_lens: Any = None  # np.ndarray int32 [B]
@@ -145,6 +154,7 @@ class ModelRunner:
         cuda_graphs: bool = False,
         speculative: Optional[SpeculativeConfig] = None,
         draft_model: Optional[CausalLM] = None,
+        mixed_graph_max_tokens: int = 0,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
@@ -185,6 +195,12 @@ class ModelRunner:
         # Verify graphs (speculative decoding), keyed like ``graphs``: (bucket, split-KV count).
         self.verify_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.spec_graph_limit = 64  # largest batch a verify graph is captured for
+        # Mixed-batch graphs by token bucket: every sequence slot of the largest decode bucket,
+        # any split of the bucket's tokens among them (``_mixed_graph_size``).
+        self.mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.mixed_graph_sizes: list[int] = (
+            [t for t in MIXED_GRAPH_TOKENS if t <= min(mixed_graph_max_tokens, max_num_batched_tokens)]
+            if self.use_graphs and speculative is None else [])
         # Masked greedy sampling graphs, keyed like ``graphs``: a constrained decode step's
         # sampling (scatter the bitmask rows, mask, argmax, token-table write) in one replay
         # after its decode graph's; ``sample_tokens`` then costs two copies and a launch.
@@ -198,6 +214,7 @@ class ModelRunner:
         self.stats_steps = 0  # steps launched
         self.stats_graph_steps = 0
         self.stats_masked_graph_steps = 0  # constrained steps sampled by a masked sampling graph
+        self.stats_mixed_graph_steps = 0  # steps with prefill tokens run by a mixed-batch graph
         self.stats_prepared_steps = 0  # steps launched from inputs ``prepare`` built ahead
         self._pending: Optional[LaunchedForward] = None  # a constrained step's forward, until sampled
         self._static_copy: Optional[torch.cuda.Event] = None  # see _static_read
@@ -266,17 +283,20 @@ class ModelRunner:
                  sb.reserve(num_seqs, _INT64)]
         return BatchSegments(*(p[0] for p in parts)), [p[1] for p in parts]
 
-    def _stage_batch(self, plan: StepPlan, pad_seqs: int) -> tuple[BatchSegments, np.ndarray, np.ndarray]:
-        """Inputs of the forward pass. ``pad_seqs`` > B pads a decode batch for a graph:
-        padding sequences have no query token and length 0, padding tokens slot -1, and
-        they read and write the token table's scratch row. A sequence that does not sample
-        this step also sends its (graph-computed) argmax to the scratch row."""
+    def _stage_batch(self, plan: StepPlan, pad_seqs: int, pad_tokens: Optional[int] = None
+                     ) -> tuple[BatchSegments, np.ndarray, np.ndarray]:
+        """Inputs of the forward pass. ``pad_seqs`` > B pads a batch for a graph (a decode or
+        verify graph: ``T // B`` tokens per padding sequence; a mixed graph: ``pad_tokens``
+        in all): padding sequences have no query token and length 0, padding tokens slot
+        -1, and they read and write the token table's scratch row. A sequence that does not
+        sample this step also sends its (graph-computed) argmax to the scratch row."""
         B = plan.num_seqs
         qsl = np.zeros(B + 1, dtype=np.int32)
         np.cumsum(plan.counts, out=qsl[1:])
         T = int(qsl[-1])
         seq_lens = plan.starts + plan.counts
-        pad_tokens = T if pad_seqs == B else pad_seqs * (T // B)  # (a graph's batch: T // B tokens each)
+        if pad_tokens is None:
+            pad_tokens = T if pad_seqs == B else pad_seqs * (T // B)  # (a graph's batch: T // B tokens each)
         segs, (gather, positions, slots, rows, sl, qs, dest) = self._reserve_batch(pad_tokens, pad_seqs)
         scratch = self.batch.scratch_row * self.batch.width
         if T == B:  # every sequence has one token: no repeat needed
@@ -293,10 +313,11 @@ class ModelRunner:
         sl[:B] = seq_lens
         qs[:B + 1] = qsl
         dest[:B] = np.where(plan.samples, plan.rows.astype(np.int64) * self.batch.width + seq_lens, scratch)
-        if pad_seqs > B:
+        if pad_tokens > T:
             positions[T:] = 0
             gather[T:] = scratch
             slots[T:] = -1
+        if pad_seqs > B:
             rows[B:] = self.batch.scratch_row
             sl[B:] = 0
             qs[B + 1:] = T
@@ -443,6 +464,14 @@ class ModelRunner:
         self.batch.token_table.view(-1).index_copy_(0, self.staging.view(segs.dest), greedy)
         return hidden, logits, greedy
 
+    def _mixed_graph_size(self, plan: StepPlan) -> Optional[int]:
+        """The token bucket of a batch that is not pure decode, if a mixed graph can run it:
+        at most the largest decode bucket's sequences and the largest mixed bucket's tokens."""
+        if not self.mixed_graphs or plan.num_seqs > self.graph_sizes[-1]:
+            return None
+        tokens = int(plan.counts.sum())
+        return next((t for t in self.mixed_graph_sizes if t >= tokens and t in self.mixed_graphs), None)
+
     def _graph_size(self, plan: StepPlan) -> Optional[int]:
         """The bucket of a pure-decode batch that a captured graph can run, else None."""
         if not self.graphs or plan.num_seqs > self.graph_sizes[-1] or int(plan.counts.max()) != 1:
@@ -473,23 +502,14 @@ class ModelRunner:
             self._capture_verify_graphs(pool)
         if get_tp_world_size() == 1:  # (with tensor parallelism rank 0 samples and broadcasts)
             self._capture_masked_graphs(pool)
+        if self.mixed_graph_sizes:
+            self._capture_mixed_graphs(pool)
 
-    def _capture(self, size: int, q: int, body: Callable[[BatchSegments], tuple[torch.Tensor, ...]],
+    def _capture(self, size: int, q: "int | np.ndarray", body: Callable[[BatchSegments], tuple[torch.Tensor, ...]],
                  pool: Any) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
         """Capture ``body`` on a harmless batch of ``size`` sequences of ``q`` tokens each
-        (scratch row, block 0, no cache writes), at the staging offsets of that shape."""
-        sb = self.staging
-        scratch = self.batch.scratch_row
-        sb.begin(0)
-        segs, (gather, positions, slots, rows, sl, qs, dest) = self._reserve_batch(size * q, size)
-        gather[:] = scratch * self.batch.width
-        positions[:] = 0
-        slots[:] = -1
-        rows[:] = scratch
-        sl[:] = q
-        qs[:] = np.arange(size + 1) * q
-        dest[:] = scratch * self.batch.width
-        sb.upload()
+        (or ``q[i]`` tokens for sequence ``i``; ``_capture_batch``)."""
+        segs = self._capture_batch(size, q)
         for _ in range(2):  # warm up: autotuning and lazy initialization outside capture
             body(segs)
         torch.cuda.synchronize(self.device)
@@ -562,6 +582,55 @@ class ModelRunner:
             self._mask_dest[n:size].fill_(self.batch.scratch_row * self.batch.width)
         graph, ids = self.masked_eager_graphs[size]
         return graph, ids, size
+
+    def _capture_batch(self, size: int, q: "int | np.ndarray") -> BatchSegments:
+        """A harmless batch (scratch row, block 0, no cache writes) staged and uploaded at the
+        staging offsets of its shape, which a step of that shape reuses."""
+        sb = self.staging
+        scratch = self.batch.scratch_row
+        counts = np.full(size, q, dtype=np.int64) if isinstance(q, int) else q
+        sb.begin(0)
+        segs, (gather, positions, slots, rows, sl, qs, dest) = self._reserve_batch(int(counts.sum()), size)
+        gather[:] = scratch * self.batch.width
+        positions[:] = 0
+        slots[:] = -1
+        rows[:] = scratch
+        sl[:] = counts
+        qs[0] = 0
+        np.cumsum(counts, out=qs[1:])
+        dest[:] = scratch * self.batch.width
+        sb.upload()
+        return segs
+
+    # -- CUDA graphs of mixed batches (GPU-only, see tests/gpu) -------------------------------
+    def _mixed_graph_body(self, segs: BatchSegments, num_tokens: int) -> tuple[torch.Tensor]:
+        """A batch of up to ``num_tokens`` query tokens in any split among the sequence slots
+        up to the hidden states: attention takes the token count as the bound of every query
+        length, which makes its grid depend on the shapes alone (``paged_attention``'s packed
+        grid), and one split (a mixed step never splits its keys)."""
+        return (self._forward(segs, num_tokens, self.max_model_len, None, None, 1),)
+
+    def _capture_mixed_graphs(self, pool: Any) -> None:
+        """One graph per token bucket, over the largest decode bucket's sequence slots. A
+        capture that fails leaves mixed batches eager."""
+        seqs = self.graph_sizes[-1]
+        try:
+            for tokens in reversed(self.mixed_graph_sizes):
+                counts = np.zeros(seqs, dtype=np.int64)
+                counts[: min(tokens, seqs)] = 1
+                counts[0] += tokens - int(counts.sum())
+                body = partial(self._mixed_graph_body, num_tokens=tokens)
+                graph, (hidden,) = self._capture(seqs, counts, body, pool)  # type: ignore[arg-type]
+                pool = graph.pool()
+                self.mixed_graphs[tokens] = (graph, hidden)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as e:  # never fail start-up for an optimization
+            logger.warning("mixed batches run eagerly: capturing their CUDA graphs failed (%s)", e)
+            self.mixed_graphs.clear()
+            return
+        logger.info("captured %d mixed-batch CUDA graphs (token buckets %s, %d sequence slots)",
+                    len(self.mixed_graphs), self.mixed_graph_sizes, seqs)
 
     # -- CUDA graphs of verify steps (speculative decoding; GPU-only, see tests/gpu) ----------
     def _verify_graph_body(self, segs: BatchSegments, num_kv_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -665,9 +734,14 @@ class ModelRunner:
             return PreparedStep(plan)
         graph_size = self._graph_size(plan)
         verify_size = self._verify_graph_size(plan) if graph_size is None and self.verify_graphs else None
+        mixed_size = (self._mixed_graph_size(plan) if graph_size is None and verify_size is None and self.mixed_graphs
+                      else None)
         sb = self.staging
         sb.begin(0)
-        segs, qsl, seq_lens = self._stage_batch(plan, graph_size or verify_size or plan.num_seqs)
+        if mixed_size is not None:
+            segs, qsl, seq_lens = self._stage_batch(plan, self.graph_sizes[-1], mixed_size)
+        else:
+            segs, qsl, seq_lens = self._stage_batch(plan, graph_size or verify_size or plan.num_seqs)
         writes = self._stage_table_writes()
         sample_idx = np.flatnonzero(plan.samples)
         layout: Optional[SampleLayout] = None
@@ -680,8 +754,8 @@ class ModelRunner:
         sample_dest = sb.put(plan.rows[row_idx].astype(np.int64) * self.batch.width + row_lens)
         sampling, plain_greedy = self._stage_sampling(plan, row_idx, row_lens)
         spec_staged = self._stage_spec(plan, layout, sample_idx, seq_lens) if layout is not None else None
-        return PreparedStep(plan, graph_size, verify_size, segs, qsl, seq_lens, writes, sample_idx, layout, row_idx,
-                            row_lens, logits_rows, sample_dest, sampling, plain_greedy, spec_staged)
+        return PreparedStep(plan, graph_size, verify_size, mixed_size, segs, qsl, seq_lens, writes, sample_idx, layout,
+                            row_idx, row_lens, logits_rows, sample_dest, sampling, plain_greedy, spec_staged)
 
     def _launch(self, so: SchedulerOutput, prep: "PreparedStep") -> Optional[AsyncModelOutput]:
         """Steps 3 and 4: upload, run the forward pass, and sample unless constrained."""
@@ -716,6 +790,11 @@ class ModelRunner:
             vgraph, (hidden, graph_logits) = self.verify_graphs[(verify_size, splits)]
             vgraph.replay()
             self.stats_graph_steps += 1
+        elif prep.mixed_size is not None:  # the rows past the batch's tokens are padding
+            mgraph, hidden = self.mixed_graphs[prep.mixed_size]
+            mgraph.replay()
+            self.stats_graph_steps += 1
+            self.stats_mixed_graph_steps += 1
         else:
             hidden = self._forward(segs, max_query_len, max_seq_len, qsl, seq_lens_host, splits)
         if self.spec is not None and self.spec.draft is not None:  # the draft's cache follows the target's

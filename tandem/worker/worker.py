@@ -98,7 +98,8 @@ class Worker:
         self.runner = ModelRunner(self.model, model_config.vocab_size, config.block_size, model_config.max_model_len,
                                   model_config.max_num_seqs, model_config.max_num_batched_tokens, self.device,
                                   self.dtype, attention_backend=backend, cuda_graphs=graphs,
-                                  speculative=config.speculative_config, draft_model=draft)
+                                  speculative=config.speculative_config, draft_model=draft,
+                                  mixed_graph_max_tokens=model_config.env.mixed_graph_max_tokens)
         self.draft = draft
 
     def enable_gated_sampling(self) -> None:
@@ -184,9 +185,9 @@ class Worker:
         destroy_tensor_parallel()
         runner = getattr(self, "runner", None)
         if runner is not None and runner.stats_steps:
-            logger.info("model runner: %d steps, %d through CUDA graphs; %d constrained steps sampled by a masked "
-                        "sampling graph", runner.stats_steps, runner.stats_graph_steps,
-                        runner.stats_masked_graph_steps)
+            logger.info("model runner: %d steps, %d through CUDA graphs (%d of them mixed batches); %d constrained "
+                        "steps sampled by a masked sampling graph", runner.stats_steps, runner.stats_graph_steps,
+                        runner.stats_mixed_graph_steps, runner.stats_masked_graph_steps)
         if self.device.type == "cuda" and hasattr(self, "runner"):
             import gc
 

@@ -52,6 +52,28 @@ def test_fp32_gpu_greedy_equals_the_cpu_path(sharp_model):
     assert got == want
 
 
+def test_mixed_batches_replay_their_graphs_and_equal_eager(sharp_model, monkeypatch):
+    """Prompts arriving while others decode make steps with prefill tokens: with mixed-batch
+    graphs those up to the largest token bucket replay a graph; fp32 greedy tokens equal
+    the run with every such step eager (``TANDEM_MIXED_GRAPH_MAX_TOKENS=0``), async and sync."""
+    from tandem import SamplingParams
+
+    prompts = _prompts(48, 3, 150, seed=11)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    monkeypatch.setenv("TANDEM_MIXED_GRAPH_MAX_TOKENS", "0")
+    with _llm(sharp_model, dtype="float32", max_num_batched_tokens=512) as eager:
+        want = _tokens(eager, prompts, sp)
+        assert not eager.engine.core.executor.worker.runner.mixed_graphs
+    monkeypatch.setenv("TANDEM_MIXED_GRAPH_MAX_TOKENS", "512")
+    for a in (True, False):
+        with _llm(sharp_model, dtype="float32", max_num_batched_tokens=512, async_scheduling=a) as llm:
+            runner = llm.engine.core.executor.worker.runner
+            assert max(runner.mixed_graphs) == 512
+            got = _tokens(llm, prompts, sp)
+            assert runner.stats_mixed_graph_steps > 0
+        assert got == want
+
+
 @pytest.mark.parametrize("fused_merge", [False, True])
 def test_split_counts_follow_the_context_graphs_equal_eager(sharp_model, monkeypatch, fused_merge):
     """Decode picks its split-KV count from the batch's longest context and replays the graph

@@ -82,3 +82,59 @@ def test_triton_backend_matches_sdpa_and_warms_up(tiny_factory, arch, monkeypatc
     assert gemv_rows and max(gemv_rows) <= gemv.MAX_ROWS, "small batches did not take the fused GEMV path"
     # Small batches rotate and cache k/v in the QKV launch, except under Qwen3's q/k norms.
     assert bool(rope_rows) == (arch != "qwen3"), f"QKV launches with rotary: {rope_rows}"
+
+
+class _EagerGraph:
+    """Stands in for a captured mixed-batch graph on the CPU: ``replay`` runs the body again
+    on the capture's staging segments and writes into the captured outputs, as a replay
+    would."""
+
+    def __init__(self, body, segs, outputs) -> None:
+        self.body, self.segs, self.outputs = body, segs, outputs
+        self.replays = 0
+
+    def replay(self) -> None:
+        for out, new in zip(self.outputs, self.body(self.segs)):
+            out.copy_(new)
+        self.replays += 1
+
+    def pool(self) -> None:
+        return None
+
+
+@pytest.mark.timeout(600)
+def test_mixed_batches_through_the_mixed_graph_path_match_sdpa(tiny_factory):
+    """The mixed-batch graph path without the graph (CUDA only; tests/gpu captures it): each
+    step with prefill tokens is padded to a token bucket over every sequence slot, attention
+    takes the bucket as every query length's bound and no host metadata, and only the
+    real rows are read back. Chunked prompts beside decodes, greedy fp32: the tokens equal
+    the SDPA backend's, and the padded path ran."""
+    tiny_model = tiny_factory("llama")
+    if not torch.cuda.is_available():
+        from tandem.kernels import attention
+        if type(attention._paged_attn_kernel).__name__ != "InterpretedFunction":
+            pytest.skip("triton was imported before TRITON_INTERPRET was set in this process")
+    prompts = [[5, 9, 17, 33, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [7], [60, 61, 62]]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    kw = dict(block_size=4, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16, dtype="float32",
+              enforce_eager=True)
+    with LLM(tiny_model, attention_backend="sdpa", **kw) as ref:
+        want = [o.outputs[0].token_ids for o in ref.generate(prompts, sp, use_tqdm=False)]
+    with LLM(tiny_model, attention_backend="triton", **kw) as llm:
+        runner = llm.engine.core.executor.worker.runner
+        graphs: list[_EagerGraph] = []
+
+        def capture(size, q, body, pool):
+            segs = runner._capture_batch(size, q)
+            graph = _EagerGraph(body, segs, body(segs))
+            graphs.append(graph)
+            return graph, graph.outputs
+
+        runner._capture = capture
+        runner.graph_sizes = [4]  # the sequence slots of a mixed graph: the largest decode bucket
+        runner.mixed_graph_sizes = [8, 16]
+        runner._capture_mixed_graphs(None)
+        assert sorted(runner.mixed_graphs) == [8, 16]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert runner.stats_mixed_graph_steps > 0 and sum(g.replays for g in graphs) == runner.stats_mixed_graph_steps
+    assert got == want
