@@ -199,7 +199,8 @@ class ModelRunner:
         # any split of the bucket's tokens among them (``_mixed_graph_size``).
         self.mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.mixed_graph_sizes: list[int] = (
-            [t for t in MIXED_GRAPH_TOKENS if t <= min(mixed_graph_max_tokens, max_num_batched_tokens)]
+            [t for t in MIXED_GRAPH_TOKENS if t <= min(mixed_graph_max_tokens, max_num_batched_tokens)
+             and -(-t // max_num_seqs) <= max_model_len]  # (the capture batch's contexts fit the scratch row)
             if self.use_graphs and speculative is None else [])
         # Masked greedy sampling graphs, keyed like ``graphs``: a constrained decode step's
         # sampling (scatter the bitmask rows, mask, argmax, token-table write) in one replay
@@ -616,9 +617,8 @@ class ModelRunner:
         seqs = self.graph_sizes[-1]
         try:
             for tokens in reversed(self.mixed_graph_sizes):
-                counts = np.zeros(seqs, dtype=np.int64)
-                counts[: min(tokens, seqs)] = 1
-                counts[0] += tokens - int(counts.sum())
+                counts = np.full(seqs, tokens // seqs, dtype=np.int64)  # short contexts: block 0 only
+                counts[: tokens % seqs] += 1
                 body = partial(self._mixed_graph_body, num_tokens=tokens)
                 graph, (hidden,) = self._capture(seqs, counts, body, pool)  # type: ignore[arg-type]
                 pool = graph.pool()
