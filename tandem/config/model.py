@@ -36,8 +36,9 @@ class EnvSwitches:
       while the one before it finishes (0.5B batch 1 on an H100: +8-14%); ``0`` turns it off.
     - ``TANDEM_MIXED_GRAPH_MAX_TOKENS`` (``mixed_graph_max_tokens``): with CUDA graphs, a
       batch that is not pure decode (prefill chunks beside decodes) of up to this many tokens
-      replays a graph captured for its token bucket (``tandem.worker.model_runner``); 0 runs
-      every such batch eagerly. Default 1024.
+      (e.g. 1024) replays a graph captured for its token bucket
+      (``tandem.worker.model_runner``). 0, the default until the graphs are measured on a
+      GPU (``tests/gpu``, ``benchmarks/gpu_serve.py``), runs every such batch eagerly.
     """
 
     cache_dir: str = "~/.cache/tandem"
@@ -46,7 +47,7 @@ class EnvSwitches:
     ray_wait_for_resources: bool = False
     gemv_max_rows: Optional[int] = None
     pdl: bool = True
-    mixed_graph_max_tokens: int = 1024
+    mixed_graph_max_tokens: int = 0
 
     @classmethod
     def from_environ(cls, environ: Optional[dict[str, str]] = None) -> "EnvSwitches":

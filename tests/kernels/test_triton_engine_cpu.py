@@ -109,6 +109,10 @@ def test_mixed_batches_through_the_mixed_graph_path_match_sdpa(tiny_factory):
     takes the bucket as every query length's bound and no host metadata, and only the
     real rows are read back. Chunked prompts beside decodes, greedy fp32: the tokens equal
     the SDPA backend's, and the padded path ran."""
+    from tandem.config.model import EnvSwitches
+
+    assert EnvSwitches.from_environ({}).mixed_graph_max_tokens == 0  # off until measured on a GPU
+    assert EnvSwitches.from_environ({"TANDEM_MIXED_GRAPH_MAX_TOKENS": "512"}).mixed_graph_max_tokens == 512
     tiny_model = tiny_factory("llama")
     if not torch.cuda.is_available():
         from tandem.kernels import attention
