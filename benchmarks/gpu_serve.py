@@ -189,6 +189,21 @@ def isolate_engine_thread(procs: dict[str, Any], cpu: int) -> dict[str, Any]:
     return {"engine_thread": cpu, "sibling_left_idle": sibling, "others": rest}
 
 
+def core_step_counters(port: int) -> dict[str, float]:
+    """The engine core's step counters from /metrics (steps launched, steps with prompt
+    tokens beyond one per request); a round's difference tells how many of its steps could
+    not run a decode graph."""
+    import httpx
+
+    names = ("tandem:engine_steps_launched_total", "tandem:engine_prefill_steps_total")
+    out: dict[str, float] = {}
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text.splitlines():
+        if line.startswith(names):
+            name, _, value = line.rpartition(" ")
+            out[name.split("{")[0]] = out.get(name.split("{")[0], 0.0) + float(value)
+    return out
+
+
 def run_clients(port: int, args: argparse.Namespace, num_prompts: int, seed: int, tmp: str,
                 structured_ratio: float = 0.0) -> dict[str, Any]:
     """``--clients`` ``tandem bench serve`` processes at once; their results summed."""
@@ -307,8 +322,11 @@ def structured_run(folder: str, count: str, args: argparse.Namespace, tmp: str, 
                                         extra=["--threads", "--gil" if args.profile_core_gil else "--idle",
                                                "--nonblocking"])
                 sampler = CpuSampler(procs)
+                steps0 = core_step_counters(port)
                 res = run_clients(port, args, args.num_prompts, 4, tmp, structured_ratio=r)
                 res["cpu_percent"] = sampler.stop()
+                steps1 = core_step_counters(port)
+                res["engine_steps"] = {k.split(":")[1]: v - steps0.get(k, 0.0) for k, v in steps1.items()}
                 if spy is not None:
                     from api_server_cpu import stop_profile
 
@@ -322,7 +340,9 @@ def structured_run(folder: str, count: str, args: argparse.Namespace, tmp: str, 
                 log(f"structured share {r:g}, {sampling} sampling, {fill_threads} fill threads, round {rnd}: "
                     f"{res['output_tok_per_s']:.0f} tok/s, TPOT {res['mean_tpot_ms']:.2f} ms, failed {res['failed']}, "
                     f"CPU% engine core {cpu.get('engine_core', {}).get('mean') or 0:.0f}, "
-                    f"API servers {statistics.mean(api) if api else 0:.0f} each")
+                    f"API servers {statistics.mean(api) if api else 0:.0f} each, steps "
+                    f"{res['engine_steps'].get('engine_steps_launched_total', 0):.0f} (with prompt tokens "
+                    f"{res['engine_steps'].get('engine_prefill_steps_total', 0):.0f})")
         for key, runs in rounds.items():  # each share's median round (by throughput) stands for it
             ranked = sorted(runs, key=lambda x: x["output_tok_per_s"])
             out["runs"][key] = dict(ranked[(len(ranked) - 1) // 2],

@@ -214,6 +214,7 @@ class EngineCore:
             num_preemptions=sched.stats.num_preemptions,
             num_steps_launched=self.stats.num_launched, num_steps_launched_ahead=self.stats.num_launched_ahead,
             num_step_errors=self.stats.num_errors, idle_seconds=idle_seconds,
+            num_prefill_steps=sched.stats.num_prefill_steps,
             **self.spec_decode_stats(),
         )
 

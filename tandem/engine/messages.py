@@ -87,6 +87,8 @@ class CoreStats(msgspec.Struct, array_like=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
+    # Steps with prompt tokens beyond one token per request (``SchedulerStats.num_prefill_steps``).
+    num_prefill_steps: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -57,6 +57,9 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_scheduled_tokens: int = 0
     num_dropped_tokens: int = 0  # tokens that arrived for requests already finished
+    # Steps with more tokens than one per request and its drafts: prompt chunks (prefill),
+    # alone or beside decodes. Served, most steps can be such, and none runs a decode graph.
+    num_prefill_steps: int = 0
 
 
 class _StepBuilder:
@@ -415,7 +418,10 @@ class Scheduler:
             self._step_reqs[out.step_id] = step.reqs
             self._next_step_id += 1
             self.stats.num_steps += 1
-            self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
+            tokens = out.total_num_scheduled_tokens
+            self.stats.num_scheduled_tokens += tokens
+            if tokens > len(step.scheduled) + out.num_draft_tokens:
+                self.stats.num_prefill_steps += 1
         # Else: nothing to run. That can still preempt (with two steps in flight, the only
         # schedulable request may need a block that an in-flight finished request holds);
         # the worker hears of it with the next step that is actually sent, before any

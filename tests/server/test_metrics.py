@@ -50,6 +50,8 @@ def test_counters_move(server):
     assert moved("tandem:request_queue_time_seconds_count") >= 3
     assert moved("tandem:engine_steps_launched_total") >= 6
     assert moved("tandem:engine_steps_launched_ahead_total") >= 1  # async scheduling overlaps steps
+    # r1's 40-token prompt, r2's 8 uncached ones, the chat's 5: each in a step of its own
+    assert 3 <= moved("tandem:engine_prefill_steps_total") < moved("tandem:engine_steps_launched_total")
     assert 0 < after["tandem:engine_step_overlap_ratio"] <= 1
     # The engine waited between the requests (each one is sent after the last answer came).
     assert "tandem:engine_idle_seconds_total" in after and moved("tandem:engine_idle_seconds_total") > 0

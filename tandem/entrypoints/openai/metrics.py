@@ -70,6 +70,8 @@ _CORE_COUNTERS = (
      "num_steps_launched_ahead"),
     ("tandem:engine_idle_seconds", "Seconds the engine loop waited with no work", "idle_seconds"),
     ("tandem:engine_step_errors", "Engine steps that failed", "num_step_errors"),
+    ("tandem:engine_prefill_steps", "Engine steps with prompt tokens beyond one token per request (prefill or "
+     "chunked prefill, alone or beside decodes)", "num_prefill_steps"),
     ("tandem:spec_decode_num_drafts", "Speculative decoding: proposals verified (one per request per step)",
      "spec_num_drafts"),
     ("tandem:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified", "spec_num_draft_tokens"),
