@@ -31,7 +31,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Optional, cast
+from typing import Any, Callable, Optional, Sequence, cast
 
 import numpy as np
 import torch
@@ -197,7 +197,7 @@ class ModelRunner:
         self.spec_graph_limit = 64  # largest batch a verify graph is captured for
         # Mixed-batch graphs by token bucket: every sequence slot of the largest decode bucket,
         # any split of the bucket's tokens among them (``_mixed_graph_size``).
-        self.mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor]]] = {}
         self.mixed_graph_sizes: list[int] = (
             [t for t in MIXED_GRAPH_TOKENS if t <= min(mixed_graph_max_tokens, max_num_batched_tokens)
              and -(-t // max_num_seqs) <= max_model_len]  # (the capture batch's contexts fit the scratch row)
@@ -615,22 +615,32 @@ class ModelRunner:
         """One graph per token bucket, over the largest decode bucket's sequence slots. A
         capture that fails leaves mixed batches eager."""
         seqs = self.graph_sizes[-1]
+        jobs = []
+        for tokens in reversed(self.mixed_graph_sizes):
+            counts = np.full(seqs, tokens // seqs, dtype=np.int64)  # short contexts: block 0 only
+            counts[: tokens % seqs] += 1
+            jobs.append((tokens, seqs, counts, partial(self._mixed_graph_body, num_tokens=tokens)))
+        if self._capture_family("mixed batches", jobs, pool, self.mixed_graphs):
+            logger.info("captured %d mixed-batch CUDA graphs (token buckets %s, %d sequence slots)",
+                        len(self.mixed_graphs), self.mixed_graph_sizes, seqs)
+
+    def _capture_family(self, what: str, jobs: Sequence[tuple[Any, int, Any, Callable[..., Any]]],
+                        pool: Any, into: dict[Any, Any]) -> bool:
+        """Capture each job ``(key, sequences, tokens per sequence, body)`` into ``into[key]``
+        as ``(graph, outputs)``, sharing ``pool``. One that fails leaves ``what`` eager (an
+        optimization never fails start-up): False, ``into`` emptied."""
         try:
-            for tokens in reversed(self.mixed_graph_sizes):
-                counts = np.full(seqs, tokens // seqs, dtype=np.int64)  # short contexts: block 0 only
-                counts[: tokens % seqs] += 1
-                body = partial(self._mixed_graph_body, num_tokens=tokens)
-                graph, (hidden,) = self._capture(seqs, counts, body, pool)  # type: ignore[arg-type]
+            for key, size, q, body in jobs:
+                graph, outputs = self._capture(size, q, body, pool)
                 pool = graph.pool()
-                self.mixed_graphs[tokens] = (graph, hidden)
+                into[key] = (graph, outputs)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-        except Exception as e:  # never fail start-up for an optimization
-            logger.warning("mixed batches run eagerly: capturing their CUDA graphs failed (%s)", e)
-            self.mixed_graphs.clear()
-            return
-        logger.info("captured %d mixed-batch CUDA graphs (token buckets %s, %d sequence slots)",
-                    len(self.mixed_graphs), self.mixed_graph_sizes, seqs)
+        except Exception as e:
+            logger.warning("%s run eagerly: capturing their CUDA graphs failed (%s)", what, e)
+            into.clear()
+            return False
+        return True
 
     # -- CUDA graphs of verify steps (speculative decoding; GPU-only, see tests/gpu) ----------
     def _verify_graph_body(self, segs: BatchSegments, num_kv_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -650,20 +660,13 @@ class ModelRunner:
         q = 1 + self.spec.k
         limit = self.spec_graph_limit
         sizes = [s for s in self.graph_sizes if s <= limit]
-        try:
-            for size in reversed(sizes):
-                splits = self._step_splits(size, q, self.max_model_len)
-                body = partial(self._verify_graph_body, num_kv_splits=splits)
-                graph, outputs = self._capture(size, q, body, pool)  # type: ignore[arg-type]
-                pool = graph.pool()
-                self.verify_graphs[(size, splits)] = (graph, outputs)
-            torch.cuda.synchronize(self.device)
-        except Exception as e:  # never fail start-up for an optimization
-            logger.warning("verify steps run eagerly: capturing their CUDA graphs failed (%s)", e)
-            self.verify_graphs.clear()
-            return
-        logger.info("captured %d verify CUDA graphs (%d tokens per sequence, batch sizes %s)",
-                    len(self.verify_graphs), q, sizes)
+        jobs = []
+        for size in reversed(sizes):
+            splits = self._step_splits(size, q, self.max_model_len)
+            jobs.append(((size, splits), size, q, partial(self._verify_graph_body, num_kv_splits=splits)))
+        if self._capture_family("verify steps", jobs, pool, self.verify_graphs):
+            logger.info("captured %d verify CUDA graphs (%d tokens per sequence, batch sizes %s)",
+                        len(self.verify_graphs), q, sizes)
 
     def _verify_graph_size(self, plan: StepPlan) -> Optional[int]:
         """The bucket of a uniform verify batch that a captured graph can run, else None."""
@@ -791,7 +794,7 @@ class ModelRunner:
             vgraph.replay()
             self.stats_graph_steps += 1
         elif prep.mixed_size is not None:  # the rows past the batch's tokens are padding
-            mgraph, hidden = self.mixed_graphs[prep.mixed_size]
+            mgraph, (hidden,) = self.mixed_graphs[prep.mixed_size]
             mgraph.replay()
             self.stats_graph_steps += 1
             self.stats_mixed_graph_steps += 1
