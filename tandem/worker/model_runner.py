@@ -57,9 +57,10 @@ _INT32 = np.dtype(np.int32)
 _F32 = np.dtype(np.float32)
 
 
-# Token buckets of the mixed-batch graphs. Served, nearly every step is mixed: a request or
-# two arrive while 256 decode, and each such step ran eagerly, ~250 launches from Python on
-# the engine thread, the bound of a served step (py-spy, H100 hosts).
+# Token buckets of the mixed-batch graphs. Served, a request or two arrive per step while 256
+# decode, so many steps are mixed (``tandem:engine_prefill_steps`` counts them), and each ran
+# eagerly: ~250 launches from Python on the engine thread, the bound of a served step
+# (py-spy, H100 hosts).
 MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1536, 2048)
 
 
