@@ -189,6 +189,27 @@ def isolate_engine_thread(procs: dict[str, Any], cpu: int) -> dict[str, Any]:
     return {"engine_thread": cpu, "sibling_left_idle": sibling, "others": rest}
 
 
+def collect_step_trace(tmp: str, out: Any, tag: str) -> dict[str, Any]:
+    """The engine core's step trace of the server just stopped (``--step-trace``): its
+    summary, printed, and the file kept beside ``out``."""
+    from step_trace_summary import summarize
+
+    files = sorted(Path(tmp).glob("step-trace.*.jsonl"))
+    if not files:
+        return {}
+    events = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+    if out:
+        shutil.copy(files[-1], f"{os.path.splitext(out)[0]}_steptrace_{tag}.jsonl")
+    for f in files:
+        f.unlink()
+    res = summarize(events)
+    for name, ph in res.get("phases", {}).items():
+        log(f"step trace {name}: {ph['count']} spans, median {ph['median_ms']:.3f} ms, share {ph['share']:.1%}")
+    if "step_cycle_ms" in res:
+        log(f"step trace cycle: median {res['step_cycle_ms']['median']:.3f} ms")
+    return res
+
+
 def core_step_counters(port: int) -> dict[str, float]:
     """The engine core's step counters from /metrics (steps launched, steps with prompt
     tokens beyond one per request); a round's difference tells how many of its steps could
@@ -349,6 +370,8 @@ def structured_run(folder: str, count: str, args: argparse.Namespace, tmp: str, 
                                     all_tok_per_s=[x["output_tok_per_s"] for x in runs])
     finally:
         out["exit_code"] = stop_server(proc)
+        if args.step_trace:
+            out["step_trace"] = collect_step_trace(tmp, args.out, f"{count}-{sampling}-{fill_threads}")
         text = Path(log_path).read_text()
         out["log_tail"] = text[-3000:]
         out["ready_lines"] = [line for line in text.splitlines() if " ready in " in line]  # RSS, torch imported?
@@ -410,6 +433,9 @@ def main() -> int:
     p.add_argument("--isolate-engine-thread", type=int, default=None, metavar="CPU",
                    help="structured runs: the engine thread alone on CPU, its hidden hyperthread sibling (probed) "
                         "idle, everything else on the other CPUs")
+    p.add_argument("--step-trace", action="store_true",
+                   help="structured runs: the engine core records its step timeline (TANDEM_STEP_TRACE); each "
+                        "server's is summarized (step_trace_summary.py) and kept beside --out")
     p.add_argument("--profile-core-ratio", type=float, default=None, metavar="R",
                    help="py-spy the engine core (all threads) during the structured run of share R")
     p.add_argument("--profile-core-gil", action="store_true",
@@ -427,6 +453,8 @@ def main() -> int:
 
     result: dict[str, Any] = {"args": vars(args), "shape": SHAPES[args.shape], "engine": ENGINE}
     with tempfile.TemporaryDirectory() as tmp:
+        if args.step_trace:  # the servers started below inherit it; their engine cores write there
+            os.environ["TANDEM_STEP_TRACE"] = os.path.join(tmp, "step-trace")
         shape = dict(SHAPES[args.shape])
         if args.tokenizer_from:
             shape["vocab_size"] = tokenizer_vocab(args.tokenizer_from)

@@ -26,6 +26,7 @@ import time
 import traceback
 from typing import Callable, Optional
 
+from tandem import step_trace
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.messages import DEFAULT_HEARTBEAT_S, CoreInput, CoreOutputBatch, CoreStats
 from tandem.types.engine_output import EngineCoreOutput
@@ -109,7 +110,12 @@ class EngineCoreLoop:
             went_idle = changed and not self.core.has_work()
             if outputs or went_idle:
                 self._stats = self.core.make_stats(self.idle_seconds)
+                trace = step_trace.TRACE
+                if trace is not None:
+                    trace.mark("publish", "b", -1)
                 self._publish(outputs, everyone=went_idle)
+                if trace is not None:
+                    trace.mark("publish", "e", -1)
                 changed = False
                 # A constrained step's bitmask may have filled while the outputs went out:
                 # its sampling call goes now, not after the next messages are applied.

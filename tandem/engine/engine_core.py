@@ -60,6 +60,7 @@ from tandem.scheduler.kv_cache import KVCacheManager
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.spec import SpecScheduling
 from tandem.structured_output import PendingGrammarOutput, StructuredOutputManager
+from tandem import step_trace
 from tandem.structured_output.gated import Refusals
 from tandem.types.engine_output import EngineCoreOutput
 from tandem.types.request import Request
@@ -269,10 +270,15 @@ class EngineCore:
         try:
             with deferred_interrupts():
                 self.send_filled_sampling()
+                trace = step_trace.TRACE
+                if trace is not None:
+                    trace.mark("schedule", "b", -1)
                 so = self.scheduler.schedule()
                 if so.is_empty:
                     so = None
                     return False
+                if trace is not None:
+                    trace.mark("schedule", "e", so.step_id)
                 if self._arrivals:
                     self._note_first_scheduled(so)
                 # A step whose bitmask was filling meanwhile is sampled first: its sampling
@@ -284,7 +290,11 @@ class EngineCore:
                     self.executor.prepare_model(so)
                 for waiting in self.batch_queue:
                     self._send_sampling(waiting)
+            if trace is not None:
+                trace.mark("launch", "b", so.step_id)
             step = self._launch(so)
+            if trace is not None:
+                trace.mark("launch", "e", so.step_id)
             with deferred_interrupts():
                 if self.batch_queue:
                     self.stats.num_launched_ahead += 1
@@ -326,7 +336,8 @@ class EngineCore:
         grammars = [r.grammar for r in self.scheduler.step_requests(so.step_id, so.grammar_req_ids)]
         so.grammar, fill = self.structured.gated.open_step(so.step_id, so.grammar_req_ids, grammars)  # type: ignore[arg-type]
         output = cast("Future[ModelRunnerOutput]", self.executor.execute_model(so))
-        accept = self.structured.gated.accept_step(so.grammar_req_ids, grammars, output)  # type: ignore[arg-type]
+        accept = self.structured.gated.accept_step(so.grammar_req_ids, grammars, output,  # type: ignore[arg-type]
+                                                   so.step_id)
         self.stats.num_constrained += 1
         self.stats.num_gated += 1
         return InFlightStep(so, output, gated=(fill, accept))
@@ -446,13 +457,20 @@ class EngineCore:
                 self._send_sampling(step)
         assert step.output is not None
         refusals: Optional[Refusals] = None
+        trace, sid = step_trace.TRACE, step.so.step_id
         try:
+            if trace is not None:
+                trace.mark("wait_output", "b", sid)
             if step.forward is not None:
                 step.forward.result()  # the forward's own error, if it failed
             result = step.output.result()
+            if trace is not None:
+                trace.mark("wait_output", "e", sid)
             if step.gated is not None:  # the fill's error fails the step; the accept's refusals
                 step.gated[0].result()
                 refusals = step.gated[1].result()
+                if trace is not None:
+                    trace.mark("wait_accept", "e", sid)
         except Exception as e:  # the step failed: fail its requests, keep the engine usable
             with deferred_interrupts():
                 self.batch_queue.popleft()
@@ -464,6 +482,8 @@ class EngineCore:
             self.stats.num_completed += 1
             outs = self.scheduler.update_from_output(step.so, result, self._early_sampling(), refusals)
             self._undelivered += self._attach_queue_times(outs) if self._queue_times else outs
+            if trace is not None:
+                trace.mark("update", "e", sid)
 
     def _fail_inflight(self, so: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
         """Later in-flight steps consumed this step's (missing) tokens: fail them too."""
@@ -500,6 +520,8 @@ class EngineCore:
         finally:
             self.structured.shutdown()
             self.executor.shutdown()
+            if step_trace.TRACE is not None:
+                step_trace.TRACE.write()
 
     def __enter__(self) -> "EngineCore":
         return self

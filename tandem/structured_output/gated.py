@@ -39,6 +39,7 @@ import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from tandem import step_trace
 from tandem.structured_output.buffers import BitmaskBuffers
 from tandem.types.grammar import GrammarOutput
 
@@ -55,6 +56,20 @@ SWITCH_INTERVAL_S = 0.0002
 
 # A refused token: its position in the step's output, and why (``explain_refusal``).
 Refusals = dict[int, tuple[str, bool]]
+
+
+def _traced(job: Callable[[], None], phase: str, step: int) -> Callable[[], None]:
+    """``job`` marking its span on the step trace (``tandem.step_trace``; the accept's span
+    includes its wait for the step's ids)."""
+    def run() -> None:
+        trace = step_trace.TRACE
+        assert trace is not None
+        trace.mark(phase, "b", step)
+        try:
+            job()
+        finally:
+            trace.mark(phase, "e", step)
+    return run
 
 
 class BitmaskGate:
@@ -110,17 +125,19 @@ class GatedFills:
         seq = self._seq
         bitmask = self._bufs.next(len(req_ids))
         fut: "Future[None]" = Future()
-        self._submit(lambda: self._fill(seq, grammars, bitmask, fut))
+        job: Callable[[], None] = lambda: self._fill(seq, grammars, bitmask, fut)  # noqa: E731
+        self._submit(_traced(job, "fill", step_id) if step_trace.TRACE is not None else job)
         self.num_steps += 1
         return GrammarOutput(step_id, req_ids, bitmask, gate=BitmaskGate(self.flag, seq, self)), fut
 
     def accept_step(self, req_ids: list[str], grammars: list["RequestGrammarState"],
-                    output: "Future[Any]") -> "Future[Refusals]":
+                    output: "Future[Any]", step_id: int = -1) -> "Future[Refusals]":
         """Right after step S's launch: advance ``grammars`` (of ``req_ids``) by the ids the
         step samples, once ``output`` (its ``ModelRunnerOutput`` future) has them. Resolves
         to the refused positions of the output, with the reason."""
         fut: "Future[Refusals]" = Future()
-        self._submit(lambda: self._accept(req_ids, grammars, output, fut))
+        job: Callable[[], None] = lambda: self._accept(req_ids, grammars, output, fut)  # noqa: E731
+        self._submit(_traced(job, "accept", step_id) if step_trace.TRACE is not None else job)
         return fut
 
     def wait_filled(self, seq: int) -> None:

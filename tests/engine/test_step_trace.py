@@ -1,0 +1,49 @@
+"""``TANDEM_STEP_TRACE``: the engine core's per-step timeline (``tandem.step_trace``)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine_harness import WorkItem, run_workload
+from tandem import step_trace
+from tandem.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_the_trace_spans_every_step_and_the_fill_threads_jobs(tiny_llama, tmp_path, monkeypatch):
+    """Async, gated, the fills and accepts on their thread: each launched step has its
+    schedule, launch, wait for its ids, accept and update on the engine thread, in that
+    order, and each constrained step its fill and accept spans on the fill thread; the
+    file is written at shutdown."""
+    monkeypatch.setattr(step_trace, "TRACE", step_trace.StepTrace(str(tmp_path / "trace")))
+    e = LLMEngine(EngineConfig(model=tiny_llama, async_scheduling=True, block_size=4, num_kv_blocks=128))
+    e.core.structured.set_gated_background(True)
+    so = StructuredOutputsParams(regex="(t2[0-9]?)+")
+    items = [WorkItem("c", [5, 6, 7], SamplingParams(temperature=0, max_tokens=6, structured_outputs=so)),
+             WorkItem("u", [8, 9], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]
+    run_workload(e, items)
+    launched = e.core.stats.num_launched
+    gated = e.core.stats.num_gated
+    e.shutdown()
+    files = list(tmp_path.glob("trace.*.jsonl"))
+    assert len(files) == 1
+    events = [json.loads(line) for line in files[0].read_text().splitlines()]
+    assert [ns for ns, *_ in events] == sorted(ns for ns, *_ in events)
+    engine_thread = [(phase, edge, step) for _, thread, phase, edge, step in events if thread == "MainThread"]
+    steps = sorted({step for phase, _, step in engine_thread if phase == "launch"})
+    assert len(steps) == launched
+    for s in steps:
+        seq = [(phase, edge) for phase, edge, step in engine_thread if step == s]
+        assert seq[:3] == [("schedule", "e"), ("launch", "b"), ("launch", "e")]
+        assert seq[3:] in ([("wait_output", "b"), ("wait_output", "e"), ("update", "e")],
+                           [("wait_output", "b"), ("wait_output", "e"), ("wait_accept", "e"), ("update", "e")])
+    fill_thread = [(phase, edge, step) for _, thread, phase, edge, step in events if thread == "tandem-gated-fill"]
+    for phase in ("fill", "accept"):
+        spans = [(edge, step) for p, edge, step in fill_thread if p == phase]
+        assert len(spans) == 2 * gated and gated > 0
+        assert spans == [(edge, step) for _, step in spans[::2] for edge in ("b", "e")]
+    assert step_trace.TRACE is not None and not step_trace.TRACE.events
