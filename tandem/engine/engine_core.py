@@ -52,6 +52,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, cast
 
+from tandem import step_trace
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.messages import CoreStats
 from tandem.executor import Executor, create_executor
@@ -60,7 +61,6 @@ from tandem.scheduler.kv_cache import KVCacheManager
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.spec import SpecScheduling
 from tandem.structured_output import PendingGrammarOutput, StructuredOutputManager
-from tandem import step_trace
 from tandem.structured_output.gated import Refusals
 from tandem.types.engine_output import EngineCoreOutput
 from tandem.types.request import Request
