@@ -220,8 +220,9 @@ def core_step_counters(port: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text.splitlines():
         if line.startswith(names):
-            name, _, value = line.rpartition(" ")
-            out[name.split("{")[0]] = out.get(name.split("{")[0], 0.0) + float(value)
+            labelled, _, value = line.rpartition(" ")
+            name = labelled.split("{")[0]
+            out[name] = out.get(name, 0.0) + float(value)
     return out
 
 

@@ -59,8 +59,11 @@ Refusals = dict[int, tuple[str, bool]]
 
 
 def _traced(job: Callable[[], None], phase: str, step: int) -> Callable[[], None]:
-    """``job`` marking its span on the step trace (``tandem.step_trace``; the accept's span
-    includes its wait for the step's ids)."""
+    """``job``, marking its span on the step trace when there is one (``tandem.step_trace``;
+    the accept's span includes its wait for the step's ids)."""
+    if step_trace.TRACE is None:
+        return job
+
     def run() -> None:
         trace = step_trace.TRACE
         assert trace is not None
@@ -125,8 +128,7 @@ class GatedFills:
         seq = self._seq
         bitmask = self._bufs.next(len(req_ids))
         fut: "Future[None]" = Future()
-        job: Callable[[], None] = lambda: self._fill(seq, grammars, bitmask, fut)  # noqa: E731
-        self._submit(_traced(job, "fill", step_id) if step_trace.TRACE is not None else job)
+        self._submit(_traced(lambda: self._fill(seq, grammars, bitmask, fut), "fill", step_id))
         self.num_steps += 1
         return GrammarOutput(step_id, req_ids, bitmask, gate=BitmaskGate(self.flag, seq, self)), fut
 
@@ -134,10 +136,10 @@ class GatedFills:
                     output: "Future[Any]", step_id: int = -1) -> "Future[Refusals]":
         """Right after step S's launch: advance ``grammars`` (of ``req_ids``) by the ids the
         step samples, once ``output`` (its ``ModelRunnerOutput`` future) has them. Resolves
-        to the refused positions of the output, with the reason."""
+        to the refused positions of the output, with the reason. (``step_id``: the step's
+        number on the step trace.)"""
         fut: "Future[Refusals]" = Future()
-        job: Callable[[], None] = lambda: self._accept(req_ids, grammars, output, fut)  # noqa: E731
-        self._submit(_traced(job, "accept", step_id) if step_trace.TRACE is not None else job)
+        self._submit(_traced(lambda: self._accept(req_ids, grammars, output, fut), "accept", step_id))
         return fut
 
     def wait_filled(self, seq: int) -> None:

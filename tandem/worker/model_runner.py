@@ -472,7 +472,7 @@ class ModelRunner:
         if not self.mixed_graphs or plan.num_seqs > self.graph_sizes[-1]:
             return None
         tokens = int(plan.counts.sum())
-        return next((t for t in self.mixed_graph_sizes if t >= tokens and t in self.mixed_graphs), None)
+        return next((t for t in self.mixed_graph_sizes if t >= tokens), None)  # (captured all or none)
 
     def _graph_size(self, plan: StepPlan) -> Optional[int]:
         """The bucket of a pure-decode batch that a captured graph can run, else None."""
@@ -738,8 +738,7 @@ class ModelRunner:
             return PreparedStep(plan)
         graph_size = self._graph_size(plan)
         verify_size = self._verify_graph_size(plan) if graph_size is None and self.verify_graphs else None
-        mixed_size = (self._mixed_graph_size(plan) if graph_size is None and verify_size is None and self.mixed_graphs
-                      else None)
+        mixed_size = self._mixed_graph_size(plan) if graph_size is None and verify_size is None else None
         sb = self.staging
         sb.begin(0)
         if mixed_size is not None:
