@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One device call: install the carried wheels, then run the named plans in order, each under
+# its own time limit so that one call (600 s at most) returns what finished. Results and logs
+# go to $OUT (the device tool brings them back); record them in benchmarks/RESULTS.md.
+#
+#   bash benchmarks/gpu/prepare.sh                       # here, once: .whl/ and .tok/
+#   run(command="bash benchmarks/gpu/session.sh mixed trace", carry=[".whl", ".tok"])
+#
+# Plans (seconds are the budget each gets):
+#   mixed      (330) the mixed-batch CUDA graph tests, then served 0%/100% constrained with
+#                    TANDEM_MIXED_GRAPH_MAX_TOKENS=1024 and =0 (2 rounds each, one host)
+#   trace      (220) the engine core's step trace, one server at 0% and one at 100% constrained
+#   structured (300) served throughput at 0, 20, 80 and 100% constrained, 3 rounds (issue 18's table)
+#   b1         (150) 0.5B batch 1, tandem async (issue 19)
+#   tput       (400) 0.5B and 7B throughput + batch 1, tandem sync and async (issue 19's table)
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+S=$(date +%s)
+el() { echo "[+$(( $(date +%s) - S ))s] $*"; }
+pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1 || echo "wheel install failed"
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+lscpu | grep -E "Model name|^CPU\(s\)"
+SERVE="benchmarks/gpu_serve.py --shape qwen2.5-0.5b --skip-offline --api-server-counts= --num-prompts 3072 --tokenizer-from .tok"
+
+plan_mixed() {
+  timeout 150 python -m pytest -q -x tests/gpu/test_gpu_engine.py \
+    -k "mixed_batches or masked_sampling or fp32_gpu_greedy" 2>&1 | tail -8
+  for m in 1024 0; do
+    el "serve, TANDEM_MIXED_GRAPH_MAX_TOKENS=$m"
+    TANDEM_LOG_LEVEL=INFO TANDEM_MIXED_GRAPH_MAX_TOKENS=$m timeout 170 python $SERVE --structured-ratios 0,1 \
+      --structured-rounds 2 --out "$OUT/serve_mixed$m.json" > "$OUT/serve_mixed$m.log" 2>&1
+    grep -E "mixed|prefill steps|^\| [01] " "$OUT/serve_mixed$m.log" | tail -12
+  done
+}
+plan_trace() {
+  for r in 0 1; do
+    el "step trace, constrained share $r"
+    timeout 110 python $SERVE --structured-ratios $r --structured-rounds 1 --step-trace \
+      --out "$OUT/serve_trace$r.json" > "$OUT/serve_trace$r.log" 2>&1
+    grep -E "step trace|^\| [01] " "$OUT/serve_trace$r.log" | tail -22
+  done
+}
+plan_structured() {
+  timeout 300 python $SERVE --structured-ratios 0,0.2,0.8,1 --structured-rounds 3 \
+    --out "$OUT/serve_structured.json" > "$OUT/serve_structured.log" 2>&1
+  tail -8 "$OUT/serve_structured.log"
+}
+plan_b1() {
+  timeout 150 python benchmarks/gpu_bench.py --shapes qwen2.5-0.5b --workloads batch1 --systems tandem \
+    --tandem-modes tandem_async --rounds 1 --out "$OUT/gpu_bench_b1.json" > "$OUT/gpu_bench_b1.log" 2>&1
+  tail -6 "$OUT/gpu_bench_b1.log"
+}
+plan_tput() {
+  timeout 400 python benchmarks/gpu_bench.py --shapes qwen2.5-0.5b,qwen2.5-7b --workloads throughput,batch1 \
+    --systems tandem --tandem-modes tandem_sync,tandem_async --rounds 3 \
+    --out "$OUT/gpu_bench_tput.json" > "$OUT/gpu_bench_tput.log" 2>&1
+  tail -12 "$OUT/gpu_bench_tput.log"
+}
+for plan in "$@"; do
+  el "plan $plan"
+  "plan_$plan" || echo "plan $plan failed: $?"
+done
+el done
