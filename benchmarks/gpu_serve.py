@@ -204,7 +204,12 @@ def collect_step_trace(tmp: str, out: Any, tag: str) -> dict[str, Any]:
         f.unlink()
     res = summarize(events)
     for name, ph in res.get("phases", {}).items():
-        log(f"step trace {name}: {ph['count']} spans, median {ph['median_ms']:.3f} ms, share {ph['share']:.1%}")
+        log(f"step trace {name}: {ph['count']} spans, median {ph['median_ms']:.3f} ms, mean {ph['mean_ms']:.3f} ms "
+            f"(CPU {ph['mean_cpu_ms']:.3f} ms, switches {ph['mean_vcsw']:.2f} voluntary / {ph['mean_ivcsw']:.2f} "
+            f"involuntary), share {ph['share']:.1%}")
+    for name, t in res.get("threads", {}).items():
+        log(f"step trace thread {name}: CPU {t['cpu_ms']:.0f} of {t['wall_ms']:.0f} ms, {t['vcsw']} voluntary and "
+            f"{t['ivcsw']} involuntary switches")
     if "step_cycle_ms" in res:
         log(f"step trace cycle: median {res['step_cycle_ms']['median']:.3f} ms")
     return res

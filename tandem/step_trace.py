@@ -4,19 +4,29 @@
 and ended on the thread that ran it: scheduling, the launch, the waits for the step's ids
 and for its grammar accept, the update, the gated fills and accepts on the fill thread.
 At shutdown the core writes them to ``PREFIX.<pid>.jsonl``, one event a line:
-``[ns, thread, phase, "b"|"e", step id]`` (-1 where a phase belongs to no one step:
-the scheduling that has not yet numbered its step, the serving loop's publish). A profiler
-samples; this counts every step and says which thread was where at once, which is what
-cross-thread waits need.
+``[ns, cpu_us, vcsw, ivcsw, thread, phase, "b"|"e", step id]`` (-1 where a phase belongs
+to no one step: the scheduling that has not yet numbered its step, the serving loop's
+publish). A profiler samples; this counts every step and says which thread was where at
+once, which is what cross-thread waits need.
+
+Each mark also reads its thread's CPU time and (``getrusage``) its voluntary and
+involuntary context switches so far. A phase whose wall time grows while its CPU time does not was
+waiting: for the GIL or a lock (voluntary switches: the thread slept on a futex), or for
+a CPU the OS gave to someone else (involuntary switches). A phase whose CPU time grows ran
+slower or did more. That tells a served step's hypotheses apart (another thread holding
+the GIL, an oversubscribed host, a neighbour slowing the core) where a profiler's samples
+count all three alike.
 
 Off (the default) it costs one ``is None`` test per mark. On, a mark appends a tuple to a
-list (about a microsecond), a dozen a step: some ten thousand steps hold ~100k events.
+list (about two microseconds with the two clock reads), a dozen a step: some ten
+thousand steps hold ~100k events.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import resource
 import threading
 import time
 from typing import Optional
@@ -27,10 +37,13 @@ logger = logging.getLogger(__name__)
 class StepTrace:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
-        self.events: list[tuple[int, str, str, str, int]] = []
+        self.events: list[tuple[int, int, int, int, str, str, str, int]] = []
 
     def mark(self, phase: str, edge: str, step: int) -> None:
-        self.events.append((time.perf_counter_ns(), threading.current_thread().name, phase, edge, step))
+        # (CPU time from the thread's clock: getrusage's is sampled at the scheduler tick.)
+        ru = resource.getrusage(resource.RUSAGE_THREAD)
+        self.events.append((time.perf_counter_ns(), time.thread_time_ns() // 1000, ru.ru_nvcsw, ru.ru_nivcsw,
+                            threading.current_thread().name, phase, edge, step))
 
     def write(self) -> Optional[str]:
         """Write the events (``PREFIX.<pid>.jsonl``) and return the path; None if none."""

@@ -33,7 +33,11 @@ def test_the_trace_spans_every_step_and_the_fill_threads_jobs(tiny_llama, tmp_pa
     assert len(files) == 1
     events = [json.loads(line) for line in files[0].read_text().splitlines()]
     assert [ns for ns, *_ in events] == sorted(ns for ns, *_ in events)
-    engine_thread = [(phase, edge, step) for _, thread, phase, edge, step in events if thread == "MainThread"]
+    for thread in {ev[4] for ev in events}:  # each thread's CPU time and switch counts never go back
+        mine = [ev[1:4] for ev in events if ev[4] == thread]
+        for k in range(3):
+            assert [c[k] for c in mine] == sorted(c[k] for c in mine)
+    engine_thread = [(phase, edge, step) for *_, thread, phase, edge, step in events if thread == "MainThread"]
     steps = sorted({step for phase, _, step in engine_thread if phase == "launch"})
     assert len(steps) == launched
     for s in steps:
@@ -41,7 +45,7 @@ def test_the_trace_spans_every_step_and_the_fill_threads_jobs(tiny_llama, tmp_pa
         assert seq[:3] == [("schedule", "e"), ("launch", "b"), ("launch", "e")]
         assert seq[3:] in ([("wait_output", "b"), ("wait_output", "e"), ("update", "e")],
                            [("wait_output", "b"), ("wait_output", "e"), ("wait_accept", "e"), ("update", "e")])
-    fill_thread = [(phase, edge, step) for _, thread, phase, edge, step in events if thread == "tandem-gated-fill"]
+    fill_thread = [(phase, edge, step) for *_, thread, phase, edge, step in events if thread == "tandem-gated-fill"]
     for phase in ("fill", "accept"):
         spans = [(edge, step) for p, edge, step in fill_thread if p == phase]
         assert len(spans) == 2 * gated and gated > 0
