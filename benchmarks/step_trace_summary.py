@@ -6,7 +6,8 @@ voluntary and involuntary context switches, and their share of the traced time; 
 thread's CPU time and switches over the whole trace, and the steady step cycle (from one
 launch to the next). The engine thread's phases: ``schedule``, ``launch``, ``wait_output``
 (waiting for the step's ids), ``wait_accept`` (from the ids to the gated accept's refusals),
-``update`` (applying the step), ``publish`` (sending outputs, served); the gated fill
+``update`` (applying the step), and, served, ``intake`` (decoding and adding new requests,
+aborts) and ``publish`` (the stats snapshot and sending outputs); the gated fill
 thread's: ``fill`` and ``accept`` (which includes its own wait for the ids).
 
 Wall time above CPU time in a phase that does not block by design (``schedule``, ``update``,

@@ -6,8 +6,8 @@ and for its grammar accept, the update, the gated fills and accepts on the fill 
 At shutdown the core writes them to ``PREFIX.<pid>.jsonl``, one event a line:
 ``[ns, cpu_us, vcsw, ivcsw, thread, phase, "b"|"e", step id]`` (-1 where a phase belongs
 to no one step: the scheduling that has not yet numbered its step, the serving loop's
-publish). A profiler samples; this counts every step and says which thread was where at
-once, which is what cross-thread waits need.
+intake of new requests and publish of outputs). A profiler samples; this counts every
+step and says which thread was where at once, which is what cross-thread waits need.
 
 Each mark also reads its thread's CPU time and (``getrusage``) its voluntary and
 involuntary context switches so far. A phase whose wall time grows while its CPU time does not was

@@ -96,12 +96,18 @@ class EngineCoreLoop:
             if not busy:
                 self.idle_seconds += time.monotonic() - t0
             outputs: list[EngineCoreOutput] = []
+            trace = step_trace.TRACE
+            intake = trace if msg is not None else None  # (the trace, when there are messages)
+            if intake is not None:
+                intake.mark("intake", "b", -1)
             while msg is not None:
                 if msg.shutdown:
                     return
                 outputs += self._apply(msg)
                 changed = True
                 msg = self.recv(0.0)
+            if intake is not None:
+                intake.mark("intake", "e", -1)
             if self.core.has_work():
                 self._step_started = time.monotonic()
                 outputs += self.core.step()
@@ -109,10 +115,9 @@ class EngineCoreLoop:
                 changed = True
             went_idle = changed and not self.core.has_work()
             if outputs or went_idle:
-                self._stats = self.core.make_stats(self.idle_seconds)
-                trace = step_trace.TRACE
                 if trace is not None:
                     trace.mark("publish", "b", -1)
+                self._stats = self.core.make_stats(self.idle_seconds)
                 self._publish(outputs, everyone=went_idle)
                 if trace is not None:
                     trace.mark("publish", "e", -1)
