@@ -14,6 +14,8 @@ sampler through a one-column "logits" tensor; the null sampler reads it back.
 
     python benchmarks/host_step.py                 # --batch-size 256, 128/128 tokens
     python benchmarks/host_step.py --profile       # where the time goes (cProfile)
+    TANDEM_STEP_TRACE=/tmp/t python benchmarks/host_step.py --structured-ratio 1 --gated-thread [--fake-grammar]
+    python benchmarks/step_trace_summary.py /tmp/t.*.jsonl    # each phase's wall and CPU time
 
 Steady decode: the step calls that launched a full decode batch (one token for every
 request), after ``--warmup`` of them; prefill and the drain at the end are left out. The
@@ -222,12 +224,21 @@ def main() -> int:
     ap.add_argument("--gated-thread", action="store_true",
                     help="gated fills and accepts on their thread, as on CUDA (the null worker waits for "
                          "each bitmask on the host, so compare the engine thread's CPU time)")
+    ap.add_argument("--fake-grammar", action="store_true",
+                    help="replace xgrammar's batch fill and accept by their cheapest stand-ins (all tokens "
+                         "allowed and accepted): the same engine code, threads and hand-offs without the "
+                         "native grammar work")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.structured_ratio:
         import tandem.worker.model_runner as model_runner
 
         model_runner.apply_token_bitmask = null_apply_token_bitmask  # type: ignore[assignment]
+    if args.fake_grammar:
+        from tandem.structured_output.xgrammar_backend import XGrammarBackend
+
+        XGrammarBackend.fill_bitmasks = lambda self, matchers, bitmask, rows: bitmask.fill_(-1)  # type: ignore
+        XGrammarBackend.accept_tokens = lambda self, matchers, tokens: [True] * len(matchers)  # type: ignore
 
     medians = []
     for r in range(args.repeat):
