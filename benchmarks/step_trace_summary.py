@@ -1,7 +1,7 @@
 """Where the engine core's steps went: a summary of a ``TANDEM_STEP_TRACE`` file.
 
 Per phase (``tandem.step_trace``): how many spans, their median and mean wall time in
-milliseconds, their mean CPU time (the thread's own, from ``getrusage``), their mean
+milliseconds, their mean CPU time (the thread's own CPU clock), their mean
 voluntary and involuntary context switches, and their share of the traced time; then each
 thread's CPU time and switches over the whole trace, and the steady step cycle (from one
 launch to the next). The engine thread's phases: ``schedule``, ``launch``, ``wait_output``

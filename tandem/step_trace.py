@@ -9,13 +9,13 @@ to no one step: the scheduling that has not yet numbered its step, the serving l
 intake of new requests and publish of outputs). A profiler samples; this counts every
 step and says which thread was where at once, which is what cross-thread waits need.
 
-Each mark also reads its thread's CPU time and (``getrusage``) its voluntary and
-involuntary context switches so far. A phase whose wall time grows while its CPU time does not was
-waiting: for the GIL or a lock (voluntary switches: the thread slept on a futex), or for
-a CPU the OS gave to someone else (involuntary switches). A phase whose CPU time grows ran
-slower or did more. That tells a served step's hypotheses apart (another thread holding
-the GIL, an oversubscribed host, a neighbour slowing the core) where a profiler's samples
-count all three alike.
+Each mark also reads its thread's CPU clock and (``getrusage``) its voluntary and
+involuntary context switches so far. A phase whose wall time grows while its CPU time does
+not was waiting: for the GIL or a lock (voluntary switches: the thread slept on a futex),
+or for a CPU the OS gave to someone else (involuntary switches). A phase whose CPU time
+grows ran slower or did more. That tells a served step's hypotheses apart (another thread
+holding the GIL, an oversubscribed host, a neighbour slowing the core) where a profiler's
+samples count all three alike.
 
 Off (the default) it costs one ``is None`` test per mark. On, a mark appends a tuple to a
 list (about two microseconds with the two clock reads), a dozen a step: some ten
