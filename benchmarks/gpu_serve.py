@@ -442,6 +442,9 @@ def main() -> int:
     p.add_argument("--step-trace", action="store_true",
                    help="structured runs: the engine core records its step timeline (TANDEM_STEP_TRACE); each "
                         "server's is summarized (step_trace_summary.py) and kept beside --out")
+    p.add_argument("--fake-grammar", action="store_true",
+                   help="structured runs: the servers' engine cores skip xgrammar's native work (every token "
+                        "allowed and accepted; benchmarks/fake_grammar): the constrained path's own cost")
     p.add_argument("--profile-core-ratio", type=float, default=None, metavar="R",
                    help="py-spy the engine core (all threads) during the structured run of share R")
     p.add_argument("--profile-core-gil", action="store_true",
@@ -461,6 +464,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if args.step_trace:  # the servers started below inherit it; their engine cores write there
             os.environ["TANDEM_STEP_TRACE"] = os.path.join(tmp, "step-trace")
+        if args.fake_grammar:  # (the servers' processes run benchmarks/fake_grammar/sitecustomize.py)
+            inject = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_grammar")
+            os.environ["PYTHONPATH"] = os.pathsep.join([inject, *filter(None, [os.environ.get("PYTHONPATH")])])
+            os.environ["TANDEM_BENCH_FAKE_GRAMMAR"] = "1"
         shape = dict(SHAPES[args.shape])
         if args.tokenizer_from:
             shape["vocab_size"] = tokenizer_vocab(args.tokenizer_from)

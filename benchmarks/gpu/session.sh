@@ -4,12 +4,14 @@
 # go to $OUT (the device tool brings them back); record them in benchmarks/RESULTS.md.
 #
 #   bash benchmarks/gpu/prepare.sh                       # here, once: .whl/ and .tok/
-#   run(command="bash benchmarks/gpu/session.sh mixed trace", carry=[".whl", ".tok"])
+#   run(command="bash benchmarks/gpu/session.sh trace", carry=[".whl", ".tok"])   # then: ... mixed
+# (one call runs at most 600 s: plans whose budgets add up to more go in calls of their own)
 #
 # Plans (seconds are the budget each gets):
 #   mixed      (330) the mixed-batch CUDA graph tests, then served 0%/100% constrained with
 #                    TANDEM_MIXED_GRAPH_MAX_TOKENS=1024 and =0 (2 rounds each, one host)
-#   trace      (220) the engine core's step trace, one server at 0% and one at 100% constrained
+#   trace      (450) the engine core's step trace, one server at 0%, one at 100% constrained, and one at
+#                    100% with the grammar work faked (--fake-grammar: the constrained path's own cost)
 #   structured (300) served throughput at 0, 20, 80 and 100% constrained, 3 rounds (issue 18's table)
 #   b1         (150) 0.5B batch 1, tandem async (issue 19)
 #   tput       (400) 0.5B and 7B throughput + batch 1, tandem sync and async (issue 19's table)
@@ -36,11 +38,12 @@ plan_mixed() {
   done
 }
 plan_trace() {
-  for r in 0 1; do
-    el "step trace, constrained share $r"
-    timeout 110 python $SERVE --structured-ratios $r --structured-rounds 1 --step-trace \
-      --out "$OUT/serve_trace$r.json" > "$OUT/serve_trace$r.log" 2>&1
-    grep -E "step trace|^\| [01] " "$OUT/serve_trace$r.log" | tail -22
+  for run in 0 1 1fake; do
+    el "step trace, constrained share $run"
+    timeout 150 python $SERVE --structured-ratios ${run:0:1} --structured-rounds 1 --step-trace \
+      $([ "$run" = 1fake ] && echo --fake-grammar) \
+      --out "$OUT/serve_trace$run.json" > "$OUT/serve_trace$run.log" 2>&1
+    grep -E "step trace|^\| [01] " "$OUT/serve_trace$run.log" | tail -24
   done
 }
 plan_structured() {
