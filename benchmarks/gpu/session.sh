@@ -49,10 +49,10 @@ plan_trace() {
   done
 }
 plan_paced() {
-  for w in spin paced; do
+  for w in ${PACED_ORDER:-spin paced}; do
     el "serve, TANDEM_GATED_WAIT=$w"
     TANDEM_LOG_LEVEL=INFO TANDEM_GATED_WAIT=$w timeout 160 python $SERVE --structured-ratios 0,1 \
-      --structured-rounds 3 --step-trace --out "$OUT/serve_wait_$w.json" > "$OUT/serve_wait_$w.log" 2>&1
+      --structured-rounds ${PACED_ROUNDS:-3} --step-trace --out "$OUT/serve_wait_$w.json" > "$OUT/serve_wait_$w.log" 2>&1
     grep -E "round|paced waits|MainThread/|gated-fill/|cycle|^\| [01] " "$OUT/serve_wait_$w.log" | tail -30
   done
 }
