@@ -12,8 +12,6 @@
 #                    TANDEM_MIXED_GRAPH_MAX_TOKENS=1024 and =0 (2 rounds each, one host)
 #   trace      (450) the engine core's step trace, one server at 0%, one at 100% constrained, and one at
 #                    100% with the grammar work faked (--fake-grammar: the constrained path's own cost)
-#   paced      (330) served 0%/100% constrained, 3 rounds, the gated fill thread's wait for a
-#                    step's ids spinning (TANDEM_GATED_WAIT=spin) and paced, with step traces
 #   structured (300) served throughput at 0, 20, 80 and 100% constrained, 3 rounds (issue 18's table)
 #   b1         (150) 0.5B batch 1, tandem async (issue 19)
 #   tput       (400) 0.5B and 7B throughput + batch 1, tandem sync and async (issue 19's table)
@@ -46,14 +44,6 @@ plan_trace() {
       $([ "$run" = 1fake ] && echo --fake-grammar) \
       --out "$OUT/serve_trace$run.json" > "$OUT/serve_trace$run.log" 2>&1
     grep -E "step trace|^\| [01] " "$OUT/serve_trace$run.log" | tail -24
-  done
-}
-plan_paced() {
-  for w in ${PACED_ORDER:-spin paced}; do
-    el "serve, TANDEM_GATED_WAIT=$w"
-    TANDEM_LOG_LEVEL=INFO TANDEM_GATED_WAIT=$w timeout 160 python $SERVE --structured-ratios 0,1 \
-      --structured-rounds ${PACED_ROUNDS:-3} --step-trace --out "$OUT/serve_wait_$w.json" > "$OUT/serve_wait_$w.log" 2>&1
-    grep -E "round|paced waits|MainThread/|gated-fill/|cycle|^\| [01] " "$OUT/serve_wait_$w.log" | tail -30
   done
 }
 plan_structured() {

@@ -15,13 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
-def _choice(env: Any, name: str, default: str, allowed: tuple[str, ...]) -> str:
-    value = (env.get(name) or default).lower()
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
-    return value
-
-
 @dataclass(frozen=True)
 class EnvSwitches:
     """The environment variables tandem reads, read once (on the driver) and sent down.
@@ -46,10 +39,6 @@ class EnvSwitches:
       (e.g. 1024) replays a graph captured for its token bucket
       (``tandem.worker.model_runner``). 0, the default until the graphs are measured on a
       GPU (``tests/gpu``, ``benchmarks/gpu_serve.py``), runs every such batch eagerly.
-    - ``TANDEM_GATED_WAIT`` (``gated_wait``): how gated sampling's fill thread waits for a
-      step's sampled ids (``tandem.structured_output.gated``): ``spin`` in CUDA's event wait
-      for the whole wait, or ``paced``: asleep through most of it, then spinning for the
-      rest (its length learnt from the steps before).
     """
 
     cache_dir: str = "~/.cache/tandem"
@@ -59,7 +48,6 @@ class EnvSwitches:
     gemv_max_rows: Optional[int] = None
     pdl: bool = True
     mixed_graph_max_tokens: int = 0
-    gated_wait: str = "spin"
 
     @classmethod
     def from_environ(cls, environ: Optional[dict[str, str]] = None) -> "EnvSwitches":
@@ -72,7 +60,6 @@ class EnvSwitches:
             gemv_max_rows=int(env["TANDEM_GEMV_MAX_ROWS"]) if env.get("TANDEM_GEMV_MAX_ROWS") else None,
             pdl=env.get("TANDEM_PDL", "1").lower() not in ("0", "false", "no"),
             mixed_graph_max_tokens=int(env.get("TANDEM_MIXED_GRAPH_MAX_TOKENS") or cls.mixed_graph_max_tokens),
-            gated_wait=_choice(env, "TANDEM_GATED_WAIT", cls.gated_wait, ("spin", "paced")),
         )
 
     @property

@@ -145,8 +145,7 @@ class EngineCore:
                                                   model_config.vocab_size, list(model_config.eos_token_ids),
                                                   pin_bitmasks=cuda and config.resolved_executor == "uniproc",
                                                   background_fills=cuda,
-                                                  fill_threads=config.structured_outputs_fill_threads,
-                                                  gated_wait=model_config.env.gated_wait)
+                                                  fill_threads=config.structured_outputs_fill_threads)
         self.scheduler = Scheduler(
             self.kv_cache,
             max_num_seqs=model_config.max_num_seqs,

@@ -49,14 +49,6 @@ class _StepFuture(Future):
                 # with the future unresolved, and a later ``result()`` completes the step.
         return super().result()
 
-    def ready(self) -> bool:
-        """Whether ``result()`` would return without waiting for the device (a pacing
-        waiter's poll: ``tandem.structured_output.gated.WaitPacer``)."""
-        if self.done():
-            return True
-        event = self._launched.copy_event
-        return event is None or bool(event.query())
-
 
 class UniProcExecutor(Executor):
     in_process = True

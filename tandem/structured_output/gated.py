@@ -25,13 +25,6 @@ and fails its step.
 On the CPU (``background=False``) the jobs run inline as they are submitted: a CPU step's
 ids exist when its launch returns, so the order above holds with nobody waiting.
 
-Waiting for a step's ids, the thread spins in CUDA's event wait (asleep, woken by an
-interrupt, it came late: ``benchmarks/RESULTS.md``, 2026-12-07, sixth session). Served, the
-engine thread's Python ran 20-30% slower while that spin ran beside it (H100 host, same
-step phases with and without the spin overlapping them; eighth session), so ``paced``
-(``TANDEM_GATED_WAIT``) sleeps through the part of the wait that the steps before say is
-certain and spins only for the rest (``WaitPacer``).
-
 The thread competes with the engine thread for the GIL whenever it leaves native code (a
 step's ids arrive; a fill returns). CPython lets a waiting thread in only after a switch
 interval of the holder's pure-Python work (5 ms by default), longer than a served step, so
@@ -43,7 +36,6 @@ import logging
 import queue
 import sys
 import threading
-import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -61,11 +53,6 @@ logger = logging.getLogger(__name__)
 
 # The GIL switch interval while the gated fill thread runs (CPython's default is 5 ms).
 SWITCH_INTERVAL_S = 0.0002
-
-# Paced waits (``WaitPacer``): how much of the learnt wait is left to the spin (covers a
-# sleep's late wake and the GIL's return), and the longest sleep.
-PACE_MARGIN_S = 0.0002
-PACE_MAX_SLEEP_S = 0.005
 
 # A refused token: its position in the step's output, and why (``explain_refusal``).
 Refusals = dict[int, tuple[str, bool]]
@@ -104,47 +91,12 @@ class BitmaskGate:
         self._owner.wait_filled(self.seq)
 
 
-class WaitPacer:
-    """Sleeps through the predictable part of the wait for a step's ids, then lets the
-    caller spin for the rest. The sleep follows the measured waits (each minus
-    ``margin_s``, smoothed); a wait found over on waking (the sleep overshot, by an unknown
-    amount) shortens the next sleep. Works on any future with ``ready()`` (the in-process
-    executor's); others are waited for as before."""
-
-    def __init__(self, margin_s: float = PACE_MARGIN_S, max_sleep_s: float = PACE_MAX_SLEEP_S) -> None:
-        self.margin_s = margin_s
-        self.max_sleep_s = max_sleep_s
-        self.sleep_s = 0.0
-        self.num_waits = 0
-        self.num_overslept = 0  # waits already over when the sleep ended
-
-    def wait(self, output: "Future[Any]") -> None:
-        """Return once ``output`` is ready (or failed: its ``result()`` raises then)."""
-        ready = getattr(output, "ready", None)
-        if ready is None or ready():
-            return
-        self.num_waits += 1
-        start = time.perf_counter()
-        slept = self.sleep_s
-        if slept > 0:
-            time.sleep(slept)
-            if ready():
-                self.num_overslept += 1
-                self.sleep_s = slept * 0.7
-                return
-        try:
-            output.result()
-        finally:
-            target = min(max(time.perf_counter() - start - self.margin_s, 0.0), self.max_sleep_s)
-            self.sleep_s = slept + 0.25 * (target - slept)
-
-
 class GatedFills:
     """The fill thread of gated sampling (or the inline runner of its jobs on the CPU), its
     flag and its bitmask buffers."""
 
     def __init__(self, bitmask_words: int, stop_token_ids: frozenset[int], background: bool, pinned: bool,
-                 backend: Callable[[], Optional["GrammarBackend"]], wait: str = "spin") -> None:
+                 backend: Callable[[], Optional["GrammarBackend"]]) -> None:
         import torch
 
         self.words = bitmask_words
@@ -164,8 +116,6 @@ class GatedFills:
         self._lock = threading.Lock()
         self._closed = False
         self.num_steps = 0
-        # How the thread waits for a step's ids: spinning (None) or paced.
-        self.pacer: Optional[WaitPacer] = WaitPacer() if wait == "paced" else None
 
     # -- the engine thread ------------------------------------------------------------------
     def open_step(self, step_id: int, req_ids: list[str], grammars: list["RequestGrammarState"]
@@ -208,10 +158,6 @@ class GatedFills:
         if thread is not None:
             self._jobs.put(None)
             thread.join()
-        if self.pacer is not None:
-            logger.info("gated fill thread: %d paced waits for a step's ids, %d over before the sleep ended "
-                        "(last sleep %.3f ms)", self.pacer.num_waits, self.pacer.num_overslept,
-                        1e3 * self.pacer.sleep_s)
 
     # -- jobs -------------------------------------------------------------------------------
     def _submit(self, job: Callable[[], None]) -> None:
@@ -267,8 +213,6 @@ class GatedFills:
     def _accept(self, req_ids: list[str], grammars: list["RequestGrammarState"], output: "Future[Any]",
                 fut: "Future[Refusals]") -> None:
         try:
-            if self.pacer is not None:
-                self.pacer.wait(output)
             out = output.result()
         except BaseException as e:  # noqa: BLE001 - the step failed: its requests fail with it
             fut.set_exception(e)

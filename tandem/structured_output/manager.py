@@ -265,7 +265,7 @@ MIN_ROWS_PER_FILL_THREAD = 32
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: str, vocab_size: int, stop_token_ids: list[int],
                  max_workers: Optional[int] = None, cache_size: int = 256, pin_bitmasks: bool = False,
-                 background_fills: bool = True, fill_threads: int = FILL_THREADS, gated_wait: str = "spin") -> None:
+                 background_fills: bool = True, fill_threads: int = FILL_THREADS) -> None:
         self.backend_name = backend
         self.tokenizer_path = tokenizer
         self.vocab_size = vocab_size
@@ -296,7 +296,6 @@ class StructuredOutputManager:
         # Gated sampling's fill thread (inline on the CPU), made on the first gated step.
         self._background_fills = background_fills
         self._gated: Optional[GatedFills] = None
-        self._gated_wait = gated_wait  # how its thread waits for a step's ids (``GatedFills``)
 
     # -- compilation -------------------------------------------------------------------------
     def grammar_for(self, params: StructuredOutputsParams) -> RequestGrammarState:
@@ -424,7 +423,7 @@ class StructuredOutputManager:
     def gated(self) -> GatedFills:
         if self._gated is None:
             self._gated = GatedFills(self.bitmask_words, self.stop_token_ids, self._background_fills,
-                                     self.pin_bitmasks, lambda: self._backend, self._gated_wait)
+                                     self.pin_bitmasks, lambda: self._backend)
         return self._gated
 
     def set_gated_background(self, on: bool) -> None:
