@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run here, on the CPU machine, before a GPU session: what the device lacks, into ignored folders
-# at the repository root, to name in the device call's `carry`:
+# at the root of the checkout the device tool copies (the session's own, not a git worktree beside
+# it), to name in the device call's `carry`:
 #   .whl/  wheels of the dependencies the device has not got (Python 3.12, manylinux, no network there)
 #   .tok/  the embedded SmolLM2 tokenizer (a byte-level BPE, so grammars can spell JSON), for
 #          the structured-output benchmarks' --tokenizer-from

@@ -21,6 +21,10 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 S=$(date +%s)
 el() { echo "[+$(( $(date +%s) - S ))s] $*"; }
+if ! ls .whl/*.whl > /dev/null 2>&1 || [ ! -d .tok ]; then  # (a call that ran without them spent its start-up on nothing)
+  echo "no .whl/ or .tok/ here: run benchmarks/gpu/prepare.sh in the checkout the device copies, and carry both"
+  exit 2
+fi
 pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1 || echo "wheel install failed"
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
