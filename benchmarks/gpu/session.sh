@@ -12,6 +12,9 @@
 #                    TANDEM_MIXED_GRAPH_MAX_TOKENS=1024 and =0 (2 rounds each, one host)
 #   trace      (450) the engine core's step trace, one server at 0%, one at 100% constrained, and one at
 #                    100% with the grammar work faked (--fake-grammar: the constrained path's own cost)
+#   profile    (240) py-spy of the served engine core (all threads, idle samples too), one server
+#                    each at 0%, 100% and 100% with the grammar faked; then
+#                    pyspy_diff.py A B --root EngineCore._launch says what a gated launch adds
 #   structured (300) served throughput at 0, 20, 80 and 100% constrained, 3 rounds (issue 18's table)
 #   b1         (150) 0.5B batch 1, tandem async (issue 19)
 #   tput       (400) 0.5B and 7B throughput + batch 1, tandem sync and async (issue 19's table)
@@ -48,6 +51,19 @@ plan_trace() {
       $([ "$run" = 1fake ] && echo --fake-grammar) \
       --out "$OUT/serve_trace$run.json" > "$OUT/serve_trace$run.log" 2>&1
     grep -E "step trace|^\| [01] " "$OUT/serve_trace$run.log" | tail -24
+  done
+}
+plan_profile() {
+  for run in 0 1 1fake; do
+    el "py-spy, constrained share $run"
+    timeout 110 python $SERVE --structured-ratios ${run:0:1} --structured-rounds 1 --profile-core-ratio ${run:0:1} \
+      $([ "$run" = 1fake ] && echo --fake-grammar) --out "$OUT/serve_profile$run.json" > "$OUT/serve_profile$run.log" 2>&1
+    grep -E "^\| [01] " "$OUT/serve_profile$run.log" | tail -2
+  done
+  for run in 1 1fake; do
+    echo "--- what a gated launch adds, $run against 0 (samples through EngineCore._launch) ---"
+    python benchmarks/pyspy_diff.py "$OUT/serve_profile${run}_core_r1.pyspy" "$OUT/serve_profile0_core_r0.pyspy" \
+      --root EngineCore._launch 2>&1 | head -40
   done
 }
 plan_structured() {
