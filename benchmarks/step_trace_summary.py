@@ -7,8 +7,10 @@ thread's CPU time and switches over the whole trace, and the steady step cycle (
 launch to the next). The engine thread's phases: ``schedule``, ``launch``, ``wait_output``
 (waiting for the step's ids), ``wait_accept`` (from the ids to the gated accept's refusals),
 ``update`` (applying the step), and, served, ``intake`` (decoding and adding new requests,
-aborts) and ``publish`` (the stats snapshot and sending outputs); the gated fill
-thread's: ``fill`` and ``accept`` (which includes its own wait for the ids).
+aborts) and ``publish`` (the stats snapshot and sending outputs); inside ``launch``, the
+model runner's ``prepare``, ``forward`` and ``sample`` and a gated step's ``open`` and
+``queue_accept``; the gated fill thread's: ``fill`` and ``accept`` (which includes its own
+wait for the ids).
 
 Wall time above CPU time in a phase that does not block by design (``schedule``, ``update``,
 ``launch`` on a GPU) is time the thread waited to run: voluntary switches there are waits

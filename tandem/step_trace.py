@@ -2,7 +2,10 @@
 
 ``TANDEM_STEP_TRACE=PREFIX`` makes the engine core record, per step, when each phase began
 and ended on the thread that ran it: scheduling, the launch, the waits for the step's ids
-and for its grammar accept, the update, the gated fills and accepts on the fill thread.
+and for its grammar accept, the update, the gated fills and accepts on the fill thread;
+within the launch, the model runner's "prepare" (inputs built), "forward" (upload and the
+forward's launch) and "sample" (the sampling's launch), and a gated step's "open" (its fill
+queued) and "queue_accept".
 At shutdown the core writes them to ``PREFIX.<pid>.jsonl``, one event a line:
 ``[ns, cpu_us, vcsw, ivcsw, thread, phase, "b"|"e", step id]`` (-1 where a phase belongs
 to no one step: the scheduling that has not yet numbered its step, the serving loop's
@@ -34,12 +37,19 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 
+# Marks kept at most (~150 MB): a process that never writes its trace (a worker process of
+# the multiprocess executor marks its launches too) must not grow without bound.
+MAX_EVENTS = 1_000_000
+
+
 class StepTrace:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self.events: list[tuple[int, int, int, int, str, str, str, int]] = []
 
     def mark(self, phase: str, edge: str, step: int) -> None:
+        if len(self.events) >= MAX_EVENTS:
+            return
         # (CPU time from the thread's clock: getrusage's is sampled at the scheduler tick.)
         ru = resource.getrusage(resource.RUSAGE_THREAD)
         self.events.append((time.perf_counter_ns(), time.thread_time_ns() // 1000, ru.ru_nvcsw, ru.ru_nivcsw,

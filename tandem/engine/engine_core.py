@@ -333,11 +333,20 @@ class EngineCore:
         """One call, as for an unconstrained step: the bitmask's fill is queued on the gated
         fill thread first (after the accepts of every earlier step), then the step (its
         sampling waits on the device for the fill), then the accept of the step's own ids."""
+        trace = step_trace.TRACE  # ("open": the fill queued; "queue_accept": the accept queued)
+        if trace is not None:
+            trace.mark("open", "b", so.step_id)
         grammars = [r.grammar for r in self.scheduler.step_requests(so.step_id, so.grammar_req_ids)]
         so.grammar, fill = self.structured.gated.open_step(so.step_id, so.grammar_req_ids, grammars)  # type: ignore[arg-type]
+        if trace is not None:
+            trace.mark("open", "e", so.step_id)
         output = cast("Future[ModelRunnerOutput]", self.executor.execute_model(so))
+        if trace is not None:
+            trace.mark("queue_accept", "b", so.step_id)
         accept = self.structured.gated.accept_step(so.grammar_req_ids, grammars, output,  # type: ignore[arg-type]
                                                    so.step_id)
+        if trace is not None:
+            trace.mark("queue_accept", "e", so.step_id)
         self.stats.num_constrained += 1
         self.stats.num_gated += 1
         return InFlightStep(so, output, gated=(fill, accept))

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Sequence, cast
 import numpy as np
 import torch
 
+from tandem import step_trace
 from tandem.config.speculative import SpeculativeConfig
 from tandem.distributed import get_tp_rank, get_tp_world_size, tp_broadcast
 from tandem.kernels.splits import (MIN_SPLIT_TOKENS, SMALL_BATCH_SPLIT_TOKENS, choose_num_kv_splits,
@@ -724,11 +725,22 @@ class ModelRunner:
         return prepared[1]
 
     def _execute(self, so: SchedulerOutput) -> Optional[AsyncModelOutput]:
+        # On the step trace: "prepare" (the inputs built), then in ``_launch`` "forward" (the
+        # upload and the forward's launch) and "sample" (the sampling's launch, to the end).
+        trace = step_trace.TRACE
+        if trace is not None:
+            trace.mark("prepare", "b", so.step_id)
         prep = self._take_prepared(so) or self._prepare(so)
+        if trace is not None:
+            trace.mark("prepare", "e", so.step_id)
         if not prep.plan.num_seqs:  # nothing scheduled (e.g. a call that only primes the pipeline)
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return AsyncModelOutput(so.step_id, [], empty, None, {}, self.copy_stream, self.host_ring)
-        return self._launch(so, prep)
+        try:
+            return self._launch(so, prep)
+        finally:
+            if trace is not None:
+                trace.mark("sample", "e", so.step_id)
 
     def _prepare(self, so: SchedulerOutput) -> "PreparedStep":
         """Steps 1 and 2 on the host: the batch updated, every input packed into the staging
@@ -768,6 +780,9 @@ class ModelRunner:
         plain_greedy, spec_staged = prep.plain_greedy, prep.spec_staged
         assert logits_rows is not None and sample_dest is not None and sampling is not None  # a step was scheduled
         sb = self.staging
+        trace = step_trace.TRACE
+        if trace is not None:
+            trace.mark("forward", "b", so.step_id)
         sb.upload()
         self.stats_steps += 1
 
@@ -804,6 +819,9 @@ class ModelRunner:
             self._forward(segs, max_query_len, max_seq_len, qsl, seq_lens_host, splits, self.spec.draft)
 
         prompt_out = self._prompt_logprobs(plan, qsl, hidden)
+        if trace is not None:
+            trace.mark("forward", "e", so.step_id)
+            trace.mark("sample", "b", so.step_id)
         req_ids = [plan.states[i].req_id for i in sample_idx.tolist()]
         if not n:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)

@@ -16,9 +16,10 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_the_trace_spans_every_step_and_the_fill_threads_jobs(tiny_llama, tmp_path, monkeypatch):
     """Async, gated, the fills and accepts on their thread: each launched step has its
-    schedule, launch, wait for its ids, accept and update on the engine thread, in that
-    order, and each constrained step its fill and accept spans on the fill thread; the
-    file is written at shutdown."""
+    schedule, launch (the model runner's prepare, forward and sample inside it, and a gated
+    step's open and queue_accept around them), wait for its ids, accept and update on the
+    engine thread, in that order, and each constrained step its fill and accept spans on the
+    fill thread; the file is written at shutdown."""
     monkeypatch.setattr(step_trace, "TRACE", step_trace.StepTrace(str(tmp_path / "trace")))
     e = LLMEngine(EngineConfig(model=tiny_llama, async_scheduling=True, block_size=4, num_kv_blocks=128))
     e.core.structured.set_gated_background(True)
@@ -42,8 +43,12 @@ def test_the_trace_spans_every_step_and_the_fill_threads_jobs(tiny_llama, tmp_pa
     assert len(steps) == launched
     for s in steps:
         seq = [(phase, edge) for phase, edge, step in engine_thread if step == s]
-        assert seq[:3] == [("schedule", "e"), ("launch", "b"), ("launch", "e")]
-        assert seq[3:] in ([("wait_output", "b"), ("wait_output", "e"), ("update", "e")],
+        assert seq[:2] == [("schedule", "e"), ("launch", "b")]
+        end = seq.index(("launch", "e"))
+        runner = [(p, e) for p in ("prepare", "forward", "sample") for e in ("b", "e")]
+        assert seq[2:end] in (runner, [("open", "b"), ("open", "e"), *runner, ("queue_accept", "b"),
+                                       ("queue_accept", "e")])
+        assert seq[end + 1:] in ([("wait_output", "b"), ("wait_output", "e"), ("update", "e")],
                            [("wait_output", "b"), ("wait_output", "e"), ("wait_accept", "e"), ("update", "e")])
     fill_thread = [(phase, edge, step) for *_, thread, phase, edge, step in events if thread == "tandem-gated-fill"]
     for phase in ("fill", "accept"):
@@ -51,3 +56,13 @@ def test_the_trace_spans_every_step_and_the_fill_threads_jobs(tiny_llama, tmp_pa
         assert len(spans) == 2 * gated and gated > 0
         assert spans == [(edge, step) for _, step in spans[::2] for edge in ("b", "e")]
     assert step_trace.TRACE is not None and not step_trace.TRACE.events
+
+
+def test_a_trace_never_written_stops_growing(monkeypatch, tmp_path):
+    """A process that never writes its trace (a multiprocess executor's worker marks its
+    launches too) keeps at most ``MAX_EVENTS`` marks."""
+    monkeypatch.setattr(step_trace, "MAX_EVENTS", 3)
+    trace = step_trace.StepTrace(str(tmp_path / "trace"))
+    for k in range(5):
+        trace.mark("launch", "b", k)
+    assert [ev[7] for ev in trace.events] == [0, 1, 2]
