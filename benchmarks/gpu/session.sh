@@ -15,6 +15,8 @@
 #   profile    (240) py-spy of the served engine core (all threads, idle samples too), one server
 #                    each at 0%, 100% and 100% with the grammar faked; then
 #                    pyspy_diff.py A B --root EngineCore._launch says what a gated launch adds
+#   depth      (300) 0.5B batch 1 and batch 256, tandem async with TANDEM_ASYNC_DEPTH=2 and 3 (issue 19:
+#                    batch 1's GPU idled 21% behind a 0.53 ms host step on the H100 host)
 #   structured (300) served throughput at 0, 20, 80 and 100% constrained, 3 rounds (issue 18's table)
 #   b1         (150) 0.5B batch 1, tandem async (issue 19)
 #   tput       (400) 0.5B and 7B throughput + batch 1, tandem sync and async (issue 19's table)
@@ -64,6 +66,15 @@ plan_profile() {
     echo "--- what a gated launch adds, $run against 0 (samples through EngineCore._launch) ---"
     python benchmarks/pyspy_diff.py "$OUT/serve_profile${run}_core_r1.pyspy" "$OUT/serve_profile0_core_r0.pyspy" \
       --root EngineCore._launch 2>&1 | head -40
+  done
+}
+plan_depth() {
+  for d in 2 3; do
+    el "TANDEM_ASYNC_DEPTH=$d"
+    TANDEM_ASYNC_DEPTH=$d timeout 150 python benchmarks/gpu_bench.py --shapes qwen2.5-0.5b --workloads batch1,throughput \
+      --systems tandem --tandem-modes tandem_async --rounds 1 --out "$OUT/gpu_bench_depth$d.json" \
+      > "$OUT/gpu_bench_depth$d.log" 2>&1
+    grep -E "tok/s|idle" "$OUT/gpu_bench_depth$d.log" | head -6
   done
 }
 plan_structured() {

@@ -37,8 +37,13 @@ class EnvSwitches:
     - ``TANDEM_MIXED_GRAPH_MAX_TOKENS`` (``mixed_graph_max_tokens``): with CUDA graphs, a
       batch that is not pure decode (prefill chunks beside decodes) of up to this many tokens
       (e.g. 1024) replays a graph captured for its token bucket
-      (``tandem.worker.model_runner``). 0, the default until the graphs are measured on a
-      GPU (``tests/gpu``, ``benchmarks/gpu_serve.py``), runs every such batch eagerly.
+      (``tandem.worker.model_runner``). 0, the default (served on an H100 the graphs gave no
+      gain: ``benchmarks/RESULTS.md``, 2026-12-07, eighth session), runs such batches eagerly.
+    - ``TANDEM_ASYNC_DEPTH`` (``async_depth``): with async scheduling, how many steps the
+      engine core keeps in flight (``EngineCore.depth``). 2, the default, launches step N+1
+      before it waits for step N; 3 also launches N+2 before that wait, so a host step that
+      is as long as a short device step (batch 1 on a slow host) still finds the next step
+      queued. Not with speculative decoding (its proposals follow the step before).
     """
 
     cache_dir: str = "~/.cache/tandem"
@@ -48,6 +53,7 @@ class EnvSwitches:
     gemv_max_rows: Optional[int] = None
     pdl: bool = True
     mixed_graph_max_tokens: int = 0
+    async_depth: int = 2
 
     @classmethod
     def from_environ(cls, environ: Optional[dict[str, str]] = None) -> "EnvSwitches":
@@ -60,6 +66,7 @@ class EnvSwitches:
             gemv_max_rows=int(env["TANDEM_GEMV_MAX_ROWS"]) if env.get("TANDEM_GEMV_MAX_ROWS") else None,
             pdl=env.get("TANDEM_PDL", "1").lower() not in ("0", "false", "no"),
             mixed_graph_max_tokens=int(env.get("TANDEM_MIXED_GRAPH_MAX_TOKENS") or cls.mixed_graph_max_tokens),
+            async_depth=int(env.get("TANDEM_ASYNC_DEPTH") or cls.async_depth),
         )
 
     @property

@@ -1,6 +1,7 @@
 """The engine core's step loop: schedule, launch, complete — with a bounded in-flight queue.
 
-One loop serves both modes; only the queue depth differs (1 = synchronous, 2 = async).
+One loop serves both modes; only the queue depth differs (1 = synchronous, 2 = async, or
+``TANDEM_ASYNC_DEPTH``).
 Each ``step()`` does exactly one of two things, and it cannot do neither while work exists:
 
 * **launch**: if the queue has room, ask the scheduler for a step; if it scheduled any
@@ -125,6 +126,7 @@ class EngineCore:
                  executor: Optional[Executor] = None) -> None:
         self.config = config
         self.model_config = model_config
+        self.depth = self._queue_depth(config, model_config)  # (checked before any worker starts)
         self.executor = executor or create_executor(config, model_config)
         try:
             self.gated_sampling = self._use_gated_sampling(config)
@@ -155,7 +157,6 @@ class EngineCore:
             spec=spec_scheduling(config),
             accept_grammar_tokens=self.structured.accept_tokens,  # type: ignore[arg-type]
         )
-        self.depth = config.max_concurrent_batches
         self.batch_queue: deque[InFlightStep] = deque()
         # Build a step's inputs before the sampling call it must follow (``_launch_next``);
         # off only to measure what it saves (benchmarks/structured_offline.py).
@@ -170,6 +171,21 @@ class EngineCore:
         # Outputs produced but not returned yet: an interrupt after a step was applied (or
         # abandoned) defers them to the next ``step()``, it does not lose them.
         self._undelivered: list[EngineCoreOutput] = []
+
+    @staticmethod
+    def _queue_depth(config: EngineConfig, model_config: ModelConfig) -> int:
+        """Steps in flight: 1 synchronous, 2 async, or ``TANDEM_ASYNC_DEPTH`` async."""
+        depth = config.max_concurrent_batches
+        wanted = model_config.env.async_depth
+        if not config.async_scheduling or wanted == depth:
+            return depth
+        if wanted < 2:
+            raise ValueError(f"TANDEM_ASYNC_DEPTH={wanted}: async scheduling keeps at least 2 steps in flight "
+                             "(async_scheduling=False runs one)")
+        if config.speculative_config is not None:
+            raise ValueError(f"TANDEM_ASYNC_DEPTH={wanted} does not work with speculative decoding, whose "
+                             "proposals follow the step before: leave it at 2")
+        return wanted
 
     def _use_gated_sampling(self, config: EngineConfig) -> bool:
         """Gated sampling needs the worker in this process (its gate and pinned bitmask do

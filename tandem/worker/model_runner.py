@@ -11,7 +11,7 @@ One step, in order (all on the compute stream; the host never waits for the devi
 3. Write new prompt tokens and block ids into their device tables; run the model: a
    captured CUDA graph for a pure-decode batch (padded to its bucket), another for a mixed
    batch (prefill chunks beside decodes, padded to a token bucket, up to
-   ``TANDEM_MIXED_GRAPH_MAX_TOKENS``; off by default until measured), eagerly otherwise.
+   ``TANDEM_MIXED_GRAPH_MAX_TOKENS``; off by default: served, it showed no gain), eagerly otherwise.
    The graph's inputs are read on the device from the token table, after the previous
    step's sampler wrote it (stream order) and before the replay, whatever the batch order.
 4. Sample, scatter the sampled ids into the token table (where step N+1 gathers them), and

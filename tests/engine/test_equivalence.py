@@ -167,3 +167,52 @@ def test_prefix_cache_on_equals_off(engines):
     off = run_workload(engines("no-prefix-cache", True), items)
     assert_same(on.outputs, off.outputs, items)
     assert engines("default", True).core.kv_cache.stats_hits > 0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("sampling", ["gated", "split"])
+def test_three_steps_in_flight_equal_sync(tiny_llama, monkeypatch, setting, sampling):
+    """``TANDEM_ASYNC_DEPTH=3``: the core launches step N+2 before it waits for step N, so
+    a request runs with two placeholder tokens; the tokens of random workloads, a third of
+    the requests constrained (gated with the jobs on the fill thread, or split), equal sync,
+    and the queue really holds three steps."""
+    items = random_workload(4513 + len(setting), VOCAB, n_reqs=14, constrained=0.35)
+    sync = make_engine(tiny_llama, False, **SETTINGS[setting])
+    want = run_workload(sync, items).outputs
+    sync.shutdown()
+    monkeypatch.setenv("TANDEM_ASYNC_DEPTH", "3")
+    e = make_engine(tiny_llama, True, structured_outputs_sampling=sampling, **SETTINGS[setting])
+    assert e.core.depth == 3
+    if sampling == "gated":
+        e.core.structured.set_gated_background(True)
+    deepest = 0
+    launch = e.core._launch_next
+
+    def spy() -> bool:
+        nonlocal deepest
+        launched = launch()
+        deepest = max(deepest, len(e.core.batch_queue))
+        return launched
+
+    monkeypatch.setattr(e.core, "_launch_next", spy)
+    got = run_workload(e, items).outputs
+    e.shutdown()
+    assert_same(want, got, items)
+    assert_follow_constraints(got, items)
+    assert deepest == 3
+
+
+@pytest.mark.timeout(120)
+def test_async_depth_is_checked(tiny_llama, monkeypatch):
+    """Fewer than two steps in flight is not async, and speculative decoding keeps two."""
+    from tandem.config import EnvSwitches
+
+    assert EnvSwitches.from_environ({}).async_depth == 2
+    monkeypatch.setenv("TANDEM_ASYNC_DEPTH", "1")
+    with pytest.raises(ValueError, match="at least 2 steps in flight"):
+        make_engine(tiny_llama, True)
+    make_engine(tiny_llama, False).shutdown()  # sync: one step, whatever the switch
+    monkeypatch.setenv("TANDEM_ASYNC_DEPTH", "3")
+    with pytest.raises(ValueError, match="speculative decoding"):
+        make_engine(tiny_llama, True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -111,7 +111,7 @@ def test_mixed_batches_through_the_mixed_graph_path_match_sdpa(tiny_factory):
     the SDPA backend's, and the padded path ran."""
     from tandem.config.model import EnvSwitches
 
-    assert EnvSwitches.from_environ({}).mixed_graph_max_tokens == 0  # off until measured on a GPU
+    assert EnvSwitches.from_environ({}).mixed_graph_max_tokens == 0  # off: served on a GPU it gave no gain
     assert EnvSwitches.from_environ({"TANDEM_MIXED_GRAPH_MAX_TOKENS": "512"}).mixed_graph_max_tokens == 512
     tiny_model = tiny_factory("llama")
     if not torch.cuda.is_available():
