@@ -30,6 +30,11 @@ from typing import Any
 # One span: wall ms, CPU ms, voluntary and involuntary context switches.
 Span = tuple[float, float, int, int]
 
+# The phases marked by their end only (each starts where its thread's previous mark for the
+# step ended); an end of any other phase without its beginning (a launch that raised
+# part-way) is no span.
+END_ONLY = frozenset({"wait_accept", "update"})
+
 
 def spans(events: list[list[Any]]) -> dict[tuple[str, str], list[Span]]:
     """Spans by (thread, phase). A phase with both edges pairs each "b" with the next "e" on
@@ -45,7 +50,7 @@ def spans(events: list[list[Any]]) -> dict[tuple[str, str], list[Span]]:
             open_at[key] = now
             continue
         start = open_at.pop(key, None)
-        if start is None:  # an end-only phase: since the step's previous mark on this thread
+        if start is None and phase in END_ONLY:  # since the step's previous mark on this thread
             start = last_end.get((thread, step))
         if start is not None:
             out[key].append(((ns - start[0]) / 1e6, (cpu_us - start[1]) / 1e3, vcsw - start[2], ivcsw - start[3]))

@@ -66,3 +66,25 @@ def test_a_trace_never_written_stops_growing(monkeypatch, tmp_path):
     for k in range(5):
         trace.mark("launch", "b", k)
     assert [ev[7] for ev in trace.events] == [0, 1, 2]
+
+
+def test_the_summary_measures_end_only_phases_and_drops_unopened_spans():
+    """``step_trace_summary.spans``: ``update`` runs from the step's previous mark on its
+    thread; a "sample" end whose beginning never came (its launch raised) is no span."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "step_trace_summary.py"
+    spec = importlib.util.spec_from_file_location("step_trace_summary", path)
+    assert spec is not None and spec.loader is not None
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    ms = 1_000_000
+    events = [[0, 0, 0, 0, "T", "prepare", "b", 7], [1 * ms, 1000, 0, 0, "T", "prepare", "e", 7],
+              [3 * ms, 3000, 0, 0, "T", "sample", "e", 7],
+              [4 * ms, 3000, 1, 0, "T", "wait_output", "b", 7], [6 * ms, 3000, 1, 0, "T", "wait_output", "e", 7],
+              [9 * ms, 6000, 1, 0, "T", "update", "e", 7]]
+    got = summary.spans(events)
+    assert got[("T", "prepare")] == [(1.0, 1.0, 0, 0)]
+    assert ("T", "sample") not in got
+    assert got[("T", "update")] == [(3.0, 3.0, 0, 0)]
