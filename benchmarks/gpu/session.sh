@@ -17,6 +17,10 @@
 #                    pyspy_diff.py A B --root EngineCore._launch says what a gated launch adds
 #   depth      (300) 0.5B batch 1 and batch 256, tandem async with TANDEM_ASYNC_DEPTH=2 and 3 (issue 19:
 #                    batch 1's GPU idled 21% behind a 0.53 ms host step on the H100 host)
+#   gatedgraph (560) the gated decode graph tests, then served 0%/100% constrained with
+#                    TANDEM_GATED_GRAPHS=1 and =0, on one host, the order swapped in a second pair
+#                    (issue 18: one replay per gated decode step instead of a wait launch, two
+#                    copies and a second replay on the engine thread)
 #   structured (300) served throughput at 0, 20, 80 and 100% constrained, 3 rounds (issue 18's table)
 #   b1         (150) 0.5B batch 1, tandem async (issue 19)
 #   tput       (400) 0.5B and 7B throughput + batch 1, tandem sync and async (issue 19's table)
@@ -75,6 +79,18 @@ plan_depth() {
       --systems tandem --tandem-modes tandem_async --rounds 1 --out "$OUT/gpu_bench_depth$d.json" \
       > "$OUT/gpu_bench_depth$d.log" 2>&1
     grep -E "tok/s|idle" "$OUT/gpu_bench_depth$d.log" | head -6
+  done
+}
+plan_gatedgraph() {
+  timeout 120 python -m pytest -q -x tests/gpu/test_gpu_engine.py tests/kernels/test_host_flag.py \
+    tests/kernels/test_bitmask_kernel.py -k "gated or masked_sampling or flag or host_bitmask" 2>&1 | tail -6
+  local k=0
+  for g in 1 0 0 1; do
+    k=$((k + 1))
+    el "serve $k, TANDEM_GATED_GRAPHS=$g"
+    TANDEM_LOG_LEVEL=INFO TANDEM_GATED_GRAPHS=$g timeout 110 python $SERVE --structured-ratios 0,1 \
+      --structured-rounds 1 --out "$OUT/serve_gatedgraph${g}_$k.json" > "$OUT/serve_gatedgraph${g}_$k.log" 2>&1
+    grep -E "gated decode|^\| [01] " "$OUT/serve_gatedgraph${g}_$k.log" | tail -4
   done
 }
 plan_structured() {

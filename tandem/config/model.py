@@ -44,6 +44,11 @@ class EnvSwitches:
       before it waits for step N; 3 also launches N+2 before that wait, so a host step that
       is as long as a short device step (batch 1 on a slow host) still finds the next step
       queued. Not with speculative decoding (its proposals follow the step before).
+    - ``TANDEM_GATED_GRAPHS`` (``gated_graphs``): with CUDA graphs and gated sampling, a
+      greedy constrained decode step runs whole in one graph replay: the forward, the wait
+      for its bitmask, the mask (read from the pinned host buffer the fill thread wrote) and
+      the argmax (``ModelRunner._gated_graph_body``). Off by default until a GPU run shows
+      the engine thread's saving (a flag-wait launch, two copies and a second replay a step).
     """
 
     cache_dir: str = "~/.cache/tandem"
@@ -54,6 +59,7 @@ class EnvSwitches:
     pdl: bool = True
     mixed_graph_max_tokens: int = 0
     async_depth: int = 2
+    gated_graphs: bool = False
 
     @classmethod
     def from_environ(cls, environ: Optional[dict[str, str]] = None) -> "EnvSwitches":
@@ -67,6 +73,7 @@ class EnvSwitches:
             pdl=env.get("TANDEM_PDL", "1").lower() not in ("0", "false", "no"),
             mixed_graph_max_tokens=int(env.get("TANDEM_MIXED_GRAPH_MAX_TOKENS") or cls.mixed_graph_max_tokens),
             async_depth=int(env.get("TANDEM_ASYNC_DEPTH") or cls.async_depth),
+            gated_graphs=env.get("TANDEM_GATED_GRAPHS", "").lower() in ("1", "true", "yes"),
         )
 
     @property

@@ -54,3 +54,40 @@ def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor,
     _apply_bitmask_kernel[grid](logits, bitmask, indices if indices is not None else bitmask, vocab, words,
                                 logits.stride(0), bitmask.stride(0), HAS_INDICES=indices is not None,
                                 BLOCK=_BLOCK, num_warps=4)
+
+
+@triton.jit
+def _apply_host_bitmask_kernel(logits_ptr, gate_ptr, mask_rows_ptr, vocab_size, num_words, stride_logits,
+                               BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    src = tl.load(mask_rows_ptr + i)  # the bitmask row of logits row i; -1: unconstrained
+    base = tl.load(gate_ptr + 2).to(tl.pointer_type(tl.int32))  # GATE_BITMASK_ADDR (host memory)
+    first = tl.program_id(1) * BLOCK
+    w = first // 32 + tl.arange(0, BLOCK // 32)
+    live = tl.where(src >= 0, num_words, 0)  # words to read: none for an unconstrained row
+    # volatile: the rows were written by the host after the previous replay read them.
+    words = tl.load(base + src * num_words + w, mask=w < live, other=-1, volatile=True)
+    banned = ((words[:, None] >> tl.arange(0, 32)[None, :]) & 1) == 0
+    banned = tl.reshape(banned, [BLOCK])
+    offs = first + tl.arange(0, BLOCK)
+    tl.store(logits_ptr + i * stride_logits + offs, float("-inf"), mask=banned & (offs < vocab_size))
+
+
+def apply_host_bitmask_triton(logits: torch.Tensor, gate: torch.Tensor, mask_rows: torch.Tensor,
+                              num_words: int) -> None:
+    """Set ``-inf`` in ``logits`` ([B, V], in place) wherever a row's bitmask row has a 0 bit,
+    reading the bitmask where the host filled it: ``gate[2]`` (``host_flag.GATE_BITMASK_ADDR``)
+    is the address of its contiguous int32 ``[rows, num_words]`` in pinned host memory (the
+    device reads it over the bus, with unified addressing), and ``mask_rows[r]`` (int64,
+    ``>= B`` entries) its row for logits row ``r``, or -1 to leave that row alone. Both are
+    device tensors read when the kernel runs, so a CUDA graph that captured this call masks
+    each replay's rows of each replay's bitmask (gated decode graphs); no copy of the bitmask
+    is queued, so none has to be launched either."""
+    assert gate.dtype == torch.int64 and mask_rows.dtype == torch.int64 and logits.stride(1) == 1
+    rows = logits.shape[0]
+    vocab = min(logits.shape[1], num_words * 32)
+    if rows == 0 or vocab == 0:
+        return
+    grid = (rows, triton.cdiv(vocab, _BLOCK))
+    _apply_host_bitmask_kernel[grid](logits, gate, mask_rows, vocab, num_words, logits.stride(0), BLOCK=_BLOCK,
+                                     num_warps=4)

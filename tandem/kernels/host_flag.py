@@ -42,3 +42,30 @@ def wait_for_host_flag(flag: torch.Tensor, target: int, max_polls: int = MAX_POL
     pinned host memory; ``max_polls`` bounds the wait)."""
     assert flag.dtype == torch.int32 and (flag.is_pinned() or flag.device.type == "cpu")
     _wait_flag_kernel[(1,)](flag.data_ptr(), target, max_polls, num_warps=1)
+
+
+# -- the same wait inside a CUDA graph (``ModelRunner``'s gated decode graphs) ---------------
+# A captured kernel keeps its arguments, but a gated step's flag target changes every step:
+# here the flag's address and the target are read from a small device tensor that the step's
+# staging upload rewrites (``GATE_*`` below index it).
+GATE_FLAG_ADDR, GATE_TARGET, GATE_BITMASK_ADDR = 0, 1, 2
+GATE_WORDS = 3  # int64 entries of a staged gate
+
+
+@triton.jit
+def _wait_staged_flag_kernel(gate_ptr, max_polls):
+    ptr = tl.load(gate_ptr).to(tl.pointer_type(tl.int32))  # GATE_FLAG_ADDR
+    target = tl.load(gate_ptr + 1).to(tl.int32)  # GATE_TARGET
+    v = tl.load(ptr, volatile=True)
+    n = 0
+    while (v < target) & (n < max_polls):
+        v = tl.load(ptr, volatile=True)
+        n += 1
+
+
+def wait_for_staged_flag(gate: torch.Tensor, max_polls: int = MAX_POLLS) -> None:
+    """Queue a wait until the int32 at address ``gate[GATE_FLAG_ADDR]`` (pinned host memory)
+    reaches ``gate[GATE_TARGET]``; ``gate`` is an int64 tensor on the stream's device, read
+    when the wait runs (so a graph that captured this call waits for each replay's values)."""
+    assert gate.dtype == torch.int64 and gate.numel() >= GATE_WORDS
+    _wait_staged_flag_kernel[(1,)](gate, max_polls, num_warps=1)

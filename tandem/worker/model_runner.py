@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 _INT64 = np.dtype(np.int64)
 _INT32 = np.dtype(np.int32)
+# int64 entries of a staged gate (``tandem.kernels.host_flag.GATE_WORDS``; that module needs
+# triton, which the engine core does not import).
+_GATE_WORDS = 3
 _F32 = np.dtype(np.float32)
 
 
@@ -99,6 +102,9 @@ class BatchSegments:
     seq_lens: Segment  # int32 [B]
     query_start_loc: Segment  # int32 [B + 1]
     dest: Segment  # int64 [B] flat token-table index of the token each sequence samples
+    # A gated decode graph's (``_gated_graph_body``; written only for such a step):
+    gate: Segment  # int64 [GATE_WORDS] flag address, flag target, bitmask address (host_flag.GATE_*)
+    mask_rows: Segment  # int64 [B] bitmask row of each sequence, -1 for an unconstrained one
 
 
 @dataclass
@@ -157,6 +163,7 @@ class ModelRunner:
         speculative: Optional[SpeculativeConfig] = None,
         draft_model: Optional[CausalLM] = None,
         mixed_graph_max_tokens: int = 0,
+        gated_graphs: bool = False,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
@@ -209,6 +216,15 @@ class ModelRunner:
         # after its decode graph's; ``sample_tokens`` then costs two copies and a launch.
         self.masked_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.masked_eager_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by bucket
+        # Gated decode graphs (``gated_graphs``, with gated sampling), keyed like ``graphs``: a
+        # gated greedy decode step whole in one replay, the wait for its bitmask included
+        # (``_gated_graph_body``), where the masked graphs cost a flag-wait launch, two copies
+        # and a second replay on the engine thread.
+        self.use_gated_graphs = gated_graphs
+        self.gated_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph,
+                                                       tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._gate_open: Optional[torch.Tensor] = None  # a raised flag: see _open_gate
+        self._pinned_bitmasks: dict[int, bool] = {}  # base address -> pinned (_stage_gate)
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.num_kv_heads = 1
         # Shortest key chunk of a split-KV decode: contexts under twice this take one split.
@@ -217,6 +233,7 @@ class ModelRunner:
         self.stats_steps = 0  # steps launched
         self.stats_graph_steps = 0
         self.stats_masked_graph_steps = 0  # constrained steps sampled by a masked sampling graph
+        self.stats_gated_graph_steps = 0  # gated steps run whole by a gated decode graph
         self.stats_mixed_graph_steps = 0  # steps with prefill tokens run by a mixed-batch graph
         self.stats_prepared_steps = 0  # steps launched from inputs ``prepare`` built ahead
         self._pending: Optional[LaunchedForward] = None  # a constrained step's forward, until sampled
@@ -283,7 +300,7 @@ class ModelRunner:
         sb = self.staging
         parts = [sb.reserve(num_tokens, _INT64), sb.reserve(num_tokens, _INT64), sb.reserve(num_tokens, _INT64),
                  sb.reserve(num_seqs, _INT32), sb.reserve(num_seqs, _INT32), sb.reserve(num_seqs + 1, _INT32),
-                 sb.reserve(num_seqs, _INT64)]
+                 sb.reserve(num_seqs, _INT64), sb.reserve(_GATE_WORDS, _INT64), sb.reserve(num_seqs, _INT64)]
         return BatchSegments(*(p[0] for p in parts)), [p[1] for p in parts]
 
     def _stage_batch(self, plan: StepPlan, pad_seqs: int, pad_tokens: Optional[int] = None
@@ -300,7 +317,7 @@ class ModelRunner:
         seq_lens = plan.starts + plan.counts
         if pad_tokens is None:
             pad_tokens = T if pad_seqs == B else pad_seqs * (T // B)  # (a graph's batch: T // B tokens each)
-        segs, (gather, positions, slots, rows, sl, qs, dest) = self._reserve_batch(pad_tokens, pad_seqs)
+        segs, (gather, positions, slots, rows, sl, qs, dest, _, _) = self._reserve_batch(pad_tokens, pad_seqs)
         scratch = self.batch.scratch_row * self.batch.width
         if T == B:  # every sequence has one token: no repeat needed
             pos = plan.starts.astype(np.int64)
@@ -505,6 +522,8 @@ class ModelRunner:
             self._capture_verify_graphs(pool)
         if get_tp_world_size() == 1:  # (with tensor parallelism rank 0 samples and broadcasts)
             self._capture_masked_graphs(pool)
+            if self.use_gated_graphs and self.warm_gated_sampling:
+                self._capture_gated_graphs(pool)
         if self.mixed_graph_sizes:
             self._capture_mixed_graphs(pool)
 
@@ -571,6 +590,76 @@ class ModelRunner:
             return
         logger.info("captured %d masked sampling CUDA graphs", len(self.masked_graphs) + len(self.masked_eager_graphs))
 
+    # -- CUDA graphs of whole gated decode steps (GPU-only, see tests/gpu) ---------------------
+    def _gated_graph_body(self, segs: BatchSegments, num_kv_splits: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A gated greedy decode step in one graph: the forward and logits, a wait on the
+        device for the step's bitmask flag, the mask read where the host filled it, argmax,
+        and the ids into the token table. What changes between replays (the flag's target,
+        the bitmask's address, each row's bitmask row) is read from the staged ``segs.gate``
+        and ``segs.mask_rows``, which ``_stage_gate`` writes before the step's upload. The
+        same masking as the masked graphs (rows not listed stay whole), so the same ids."""
+        from tandem.kernels.bitmask import apply_host_bitmask_triton
+        from tandem.kernels.host_flag import GATE_WORDS, wait_for_staged_flag
+
+        assert GATE_WORDS == _GATE_WORDS
+        hidden = self._forward(segs, 1, self.max_model_len, None, None, num_kv_splits)
+        logits = self.model.compute_logits(hidden)
+        sb = self.staging
+        gate = sb.view(segs.gate)
+        wait_for_staged_flag(gate)
+        apply_host_bitmask_triton(logits, gate, sb.view(segs.mask_rows), self._bitmask_words())
+        ids = logits.argmax(dim=-1)
+        self.batch.token_table.view(-1).index_copy_(0, sb.view(segs.dest), ids)
+        return hidden, logits, ids
+
+    def _capture_gated_graphs(self, pool: Any) -> None:
+        """One gated decode graph per decode graph (same bucket and split count). A capture
+        that fails leaves gated steps on the masked graphs."""
+        jobs = [((size, splits), size, 1, partial(self._gated_graph_body, num_kv_splits=splits))
+                for size, splits in self.graphs]
+        if self._capture_family("gated decode steps", jobs, pool, self.gated_graphs):
+            logger.info("captured %d gated decode CUDA graphs", len(self.gated_graphs))
+
+    def _bitmask_words(self) -> int:
+        return -(-self.vocab_size // 32)
+
+    def _open_gate(self) -> np.ndarray:
+        """A staged gate that a gated graph passes at once: a pinned flag already raised
+        (target 0); its bitmask address is the flag's (no row reads it: capture stages every
+        ``mask_rows`` entry -1)."""
+        if self._gate_open is None:
+            self._gate_open = torch.ones(1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        addr = self._gate_open.data_ptr()
+        return np.array([addr, 0, addr], dtype=np.int64)
+
+    def _stage_gate(self, grammar: GrammarOutput, req_ids: list[str], segs: BatchSegments, size: int) -> bool:
+        """Write a gated step's gate and bitmask rows where its gated graph reads them (the
+        host side of the staging buffer, before the upload); False, writing nothing, where
+        that graph cannot read this bitmask (another width, or on CUDA not in pinned host
+        memory, which the device reads at its host address)."""
+        bitmask, gate = grammar.bitmask, grammar.gate
+        if bitmask.shape[1] != self._bitmask_words() or not bitmask.is_contiguous():
+            return False
+        base = bitmask.data_ptr()
+        pinned = self._pinned_bitmasks.get(base)
+        if pinned is None:  # (the fill thread's buffers are few and kept: asked once each)
+            pinned = self._pinned_bitmasks[base] = (self.device.type != "cuda"
+                                                    or bool(bitmask.is_pinned() and gate.flag.is_pinned()))
+        if not pinned:
+            return False
+        rows = self._bitmask_row_list(grammar, req_ids)
+        sb = self.staging
+        sb.host_view(segs.gate)[:] = (gate.flag.data_ptr(), gate.seq, base)
+        mask_rows = sb.host_view(segs.mask_rows)
+        mask_rows[:size] = -1
+        k = len(grammar.req_ids)
+        if rows is None:
+            mask_rows[:k] = np.arange(k)
+        else:
+            mask_rows[rows] = np.arange(k)
+        return True
+
     def _masked_eager(self, logits: torch.Tensor, dest: torch.Tensor
                       ) -> Optional[tuple[torch.cuda.CUDAGraph, torch.Tensor, int]]:
         """An eager step's masked sampling graph, its inputs copied to where it reads them
@@ -593,7 +682,8 @@ class ModelRunner:
         scratch = self.batch.scratch_row
         counts = np.full(size, q, dtype=np.int64) if isinstance(q, int) else q
         sb.begin(0)
-        segs, (gather, positions, slots, rows, sl, qs, dest) = self._reserve_batch(int(counts.sum()), size)
+        segs, (gather, positions, slots, rows, sl, qs, dest, gate, mask_rows) = self._reserve_batch(
+            int(counts.sum()), size)
         gather[:] = scratch * self.batch.width
         positions[:] = 0
         slots[:] = -1
@@ -602,6 +692,8 @@ class ModelRunner:
         qs[0] = 0
         np.cumsum(counts, out=qs[1:])
         dest[:] = scratch * self.batch.width
+        gate[:] = self._open_gate()  # a gated graph's wait passes at once and masks nothing
+        mask_rows[:] = -1
         sb.upload()
         return segs
 
@@ -783,6 +875,17 @@ class ModelRunner:
         trace = step_trace.TRACE
         if trace is not None:
             trace.mark("forward", "b", so.step_id)
+        n = len(row_idx)
+        max_query_len, max_seq_len = int(plan.counts.max()), int(seq_lens.max())
+        splits = self._step_splits(plan.num_seqs, max_query_len, max_seq_len)
+        all_rows = n == plan.num_seqs and max_query_len == 1
+        req_ids = [plan.states[i].req_id for i in sample_idx.tolist()]
+        gated = None  # a gated greedy decode step: its graph waits, masks and samples too
+        if (so.grammar is not None and self.gated_graphs and graph_size is not None and all_rows and plain_greedy
+                and spec_staged is None):
+            gated = self.gated_graphs.get((graph_size, splits))
+            if gated is not None and not self._stage_gate(so.grammar, req_ids, segs, graph_size):
+                gated = None
         sb.upload()
         self.stats_steps += 1
 
@@ -794,16 +897,14 @@ class ModelRunner:
             if corrected is not None:
                 seq_lens_host = corrected
                 sampling = partial(sampling, corr_rows)
-        n = len(row_idx)
-        max_query_len, max_seq_len = int(plan.counts.max()), int(seq_lens.max())
-        splits = self._step_splits(plan.num_seqs, max_query_len, max_seq_len)
-        all_rows = n == plan.num_seqs and max_query_len == 1
         graph_logits = graph_ids = None
         if graph_size is not None:
-            graph, (hidden, graph_logits, graph_ids) = self.graphs[(graph_size, splits)]
+            graph, (hidden, graph_logits, graph_ids) = gated or self.graphs[(graph_size, splits)]
             self._await_static_reads()
             graph.replay()
             self.stats_graph_steps += 1
+            if gated is not None:
+                self.stats_gated_graph_steps += 1
         elif verify_size is not None:
             vgraph, (hidden, graph_logits) = self.verify_graphs[(verify_size, splits)]
             vgraph.replay()
@@ -822,15 +923,14 @@ class ModelRunner:
         if trace is not None:
             trace.mark("forward", "e", so.step_id)
             trace.mark("sample", "b", so.step_id)
-        req_ids = [plan.states[i].req_id for i in sample_idx.tolist()]
         if not n:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return AsyncModelOutput(so.step_id, req_ids, empty, None, prompt_out, self.copy_stream, self.host_ring)
         # Feed the device-side token table: step N+1 reads the sampled ids from here.
         dest = sb.view(segs.dest)[:n] if all_rows else sb.view(sample_dest)
-        if graph_ids is not None and plain_greedy and not so.grammar_req_ids:
+        if graph_ids is not None and plain_greedy and (gated is not None or not so.grammar_req_ids):
             # The graph already chose and stored the greedy tokens (no drafts: its steps have
-            # one token per sequence).
+            # one token per sequence), masked in a gated graph.
             sampled = graph_ids[:n] if all_rows else graph_ids[sb.view(logits_rows)]
             if verify is not None and self.spec is not None:
                 self.spec.propose(self.batch.token_table, verify.rows, verify.base_len + 1, verify.window,

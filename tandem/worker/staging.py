@@ -87,6 +87,12 @@ class StagingBuffer:
         view[:] = arr.reshape(-1)
         return seg
 
+    def host_view(self, seg: Segment) -> np.ndarray:
+        """The numpy view of a segment in the buffer being packed (a value to write into a
+        segment reserved earlier in this step, before ``upload``)."""
+        words = seg.count * seg.dtype.itemsize // 4
+        return self._np[seg.offset:seg.offset + words].view(seg.dtype)
+
     def upload(self) -> None:
         """Copy everything packed since ``begin(0)`` to the device (one non-blocking copy)."""
         if not self.cuda:

@@ -99,7 +99,8 @@ class Worker:
                                   model_config.max_num_seqs, model_config.max_num_batched_tokens, self.device,
                                   self.dtype, attention_backend=backend, cuda_graphs=graphs,
                                   speculative=config.speculative_config, draft_model=draft,
-                                  mixed_graph_max_tokens=model_config.env.mixed_graph_max_tokens)
+                                  mixed_graph_max_tokens=model_config.env.mixed_graph_max_tokens,
+                                  gated_graphs=model_config.env.gated_graphs)
         self.draft = draft
 
     def enable_gated_sampling(self) -> None:

@@ -276,6 +276,41 @@ def test_constrained_decoding_on_the_gpu_async_equals_sync(sharp_model, mode):
             assert re.fullmatch(CONSTRAINED_REGEX, "".join(f"t{t}" for t in toks[:-1]))
 
 
+def test_gated_decode_graphs_equal_the_masked_graphs(sharp_model, monkeypatch):
+    """``TANDEM_GATED_GRAPHS=1``: a gated greedy decode step runs whole in one graph (its
+    wait on the flag, the mask read from the pinned bitmask the fill thread wrote, argmax).
+    In fp32 the tokens equal the masked graphs' (the switch off), with every request
+    constrained and with half of them, async and sync; most decode steps take the gated
+    graph, and its launch hides no sync."""
+    from tandem import SamplingParams
+    from tandem.sampling_params import StructuredOutputsParams
+
+    so = StructuredOutputsParams(regex=CONSTRAINED_REGEX)
+    prompts = _prompts(40, 5, 80, seed=9)
+    every = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, structured_outputs=so)] * len(prompts)
+    half = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, structured_outputs=so if i % 2 else None)
+            for i in range(len(prompts))]
+    results = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("TANDEM_GATED_GRAPHS", on)
+        for async_scheduling in (True, False):
+            with _llm(sharp_model, dtype="float32", async_scheduling=async_scheduling,
+                      structured_outputs_sampling="gated") as llm:
+                runner = llm.engine.core.executor.worker.runner
+                assert bool(runner.gated_graphs) == (on == "1")
+                errors: list[str] = []
+                execute = runner.execute_model
+                runner.execute_model = _sync_checked(execute, errors)
+                results[on, async_scheduling] = [_tokens(llm, prompts, every), _tokens(llm, prompts, half)]
+                runner.execute_model = execute
+                assert not errors, errors[0]
+                if on == "1":
+                    assert runner.stats_gated_graph_steps > runner.stats_masked_graph_steps
+                else:
+                    assert runner.stats_gated_graph_steps == 0 < runner.stats_masked_graph_steps
+    assert results["1", True] == results["0", True] == results["1", False] == results["0", False]
+
+
 @pytest.mark.parametrize("mode", ["gated", "split"])
 def test_masked_sampling_graphs_equal_eager_masked_sampling(sharp_model, mode):
     """Greedy constrained steps sample through a masked sampling graph (bitmask rows

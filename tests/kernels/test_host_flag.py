@@ -39,6 +39,23 @@ def test_a_raised_flag_lets_the_wait_through_and_a_low_one_only_after_its_polls(
         torch.cuda.synchronize()
 
 
+def test_a_staged_gate_waits_on_the_flag_and_target_it_holds():
+    """``wait_for_staged_flag`` reads the flag's address and the target from a tensor (a
+    gated graph's staged gate): a raised flag passes, a low one only after its polls."""
+    from tandem.kernels.host_flag import GATE_FLAG_ADDR, GATE_TARGET, GATE_WORDS, wait_for_staged_flag
+
+    _interpreted()
+    flag = torch.full((1,), 7, dtype=torch.int32, pin_memory=HAS_CUDA)
+    gate = torch.zeros(GATE_WORDS, dtype=torch.int64)
+    gate[GATE_FLAG_ADDR] = flag.data_ptr()
+    for target, polls in ((7, None), (3, None), (8, 50)):
+        gate[GATE_TARGET] = target
+        staged = gate.to("cuda") if HAS_CUDA else gate
+        wait_for_staged_flag(staged) if polls is None else wait_for_staged_flag(staged, max_polls=polls)
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (a stream that waits)")
 def test_the_stream_waits_for_the_host_to_raise_the_flag():
     from tandem.kernels.host_flag import wait_for_host_flag

@@ -142,3 +142,65 @@ def test_mixed_batches_through_the_mixed_graph_path_match_sdpa(tiny_factory):
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         assert runner.stats_mixed_graph_steps > 0 and sum(g.replays for g in graphs) == runner.stats_mixed_graph_steps
     assert got == want
+
+
+@pytest.mark.timeout(600)
+def test_gated_decode_steps_through_the_gated_graph_path_match_eager_masking(tiny_factory, monkeypatch):
+    """The gated decode graph path (``TANDEM_GATED_GRAPHS=1``) without the graph (CUDA
+    only; tests/gpu captures it): each gated greedy decode step replays, on the capture's
+    staging segments, the forward, the wait on the staged flag, the mask read at the staged
+    bitmask address by ``mask_rows`` and the argmax, with this step's values written where
+    the capture read them. Constrained requests (regexes, a choice) beside free ones, async
+    and sync: the tokens equal the eager masked path's (the switch off), the constrained
+    ones follow their patterns, and the gated path ran."""
+    import re
+    from functools import partial
+
+    from tandem.sampling_params import StructuredOutputsParams
+
+    tiny_model = tiny_factory("llama")
+    if not torch.cuda.is_available():
+        from tandem.kernels import bitmask
+        if type(bitmask._apply_host_bitmask_kernel).__name__ != "InterpretedFunction":
+            pytest.skip("triton was imported before TRITON_INTERPRET was set in this process")
+    patterns = [r"(t2[0-9]?|t3[0-9]?)+", None, r"t4(t5[0-9]?)*t6", None, r"(t7[0-9]?t8[0-9]?){1,3}"]
+    prompts = [[5, 9, 17, 33, 2], [40, 41, 42, 43, 44, 45], [7], [60, 61, 62], [11, 12, 13, 14]]
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=p is None,
+                             structured_outputs=StructuredOutputsParams(regex=p) if p else None) for p in patterns]
+    params.append(SamplingParams(temperature=0, max_tokens=8,
+                                 structured_outputs=StructuredOutputsParams(choice=["t2t3", "t4t5t6", "t7"])))
+    prompts.append([20, 21])
+    kw = dict(block_size=4, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16, dtype="float32",
+              enforce_eager=True, attention_backend="triton", structured_outputs_sampling="gated")
+    got: dict[bool, list[list[int]]] = {}
+    for async_scheduling in (True, False):
+        monkeypatch.delenv("TANDEM_GATED_GRAPHS", raising=False)
+        with LLM(tiny_model, async_scheduling=async_scheduling, **kw) as ref:
+            want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+        monkeypatch.setenv("TANDEM_GATED_GRAPHS", "1")
+        with LLM(tiny_model, async_scheduling=async_scheduling, **kw) as llm:
+            runner = llm.engine.core.executor.worker.runner
+            assert runner.use_gated_graphs and llm.engine.core.gated_sampling
+            graphs: list[_EagerGraph] = []
+
+            def capture(size, q, body, pool):
+                segs = runner._capture_batch(size, q)
+                graph = _EagerGraph(body, segs, body(segs))
+                graphs.append(graph)
+                return graph, graph.outputs
+
+            runner._capture = capture
+            runner.graph_sizes = [4]
+            for splits in runner._split_variants(4):
+                runner.graphs[(4, splits)] = capture(4, 1, partial(runner._graph_body, num_kv_splits=splits), None)
+            decode_graphs = len(graphs)
+            runner._capture_gated_graphs(None)
+            assert sorted(runner.gated_graphs) == sorted(runner.graphs)
+            got[async_scheduling] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            gated_replays = sum(g.replays for g in graphs[decode_graphs:])
+            assert runner.stats_gated_graph_steps == gated_replays > 0
+        assert got[async_scheduling] == want, f"async={async_scheduling}"
+    assert got[True] == got[False]
+    for toks, p in zip(got[True], patterns):
+        if p is not None and toks and toks[-1] == 1:  # ended by EOS: the whole pattern
+            assert re.fullmatch(p, "".join(f"t{t}" for t in toks[:-1]))
