@@ -23,7 +23,9 @@ decode graph's own greedy choice (it ignored the grammar). Split, it stops after
 head and step 4 runs in ``sample_tokens``, once the engine core has sent the bitmask. Gated
 (``SchedulerOutput.grammar``), step 4 follows at once, behind a wait for the bitmask that
 the engine core is filling meanwhile: on CUDA a wait queued on the stream, so the host
-goes on (``tandem.kernels.host_flag``).
+goes on (``tandem.kernels.host_flag``). With ``TANDEM_GATED_GRAPHS=1`` a gated greedy decode
+step is one replay of a graph that holds that wait and the mask too
+(``_gated_graph_body``): the step costs the engine thread what an unconstrained one does.
 """
 from __future__ import annotations
 
