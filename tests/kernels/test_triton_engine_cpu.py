@@ -102,6 +102,21 @@ class _EagerGraph:
         return None
 
 
+def _capture_eagerly(runner) -> list[_EagerGraph]:
+    """Make ``runner`` "capture" its graphs as ``_EagerGraph``s (its staging segments read as
+    a capture would stage them); returns the list they are added to, in capture order."""
+    graphs: list[_EagerGraph] = []
+
+    def capture(size, q, body, pool):
+        segs = runner._capture_batch(size, q)
+        graph = _EagerGraph(body, segs, body(segs))
+        graphs.append(graph)
+        return graph, graph.outputs
+
+    runner._capture = capture
+    return graphs
+
+
 @pytest.mark.timeout(600)
 def test_mixed_batches_through_the_mixed_graph_path_match_sdpa(tiny_factory):
     """The mixed-batch graph path without the graph (CUDA only; tests/gpu captures it): each
@@ -126,15 +141,7 @@ def test_mixed_batches_through_the_mixed_graph_path_match_sdpa(tiny_factory):
         want = [o.outputs[0].token_ids for o in ref.generate(prompts, sp, use_tqdm=False)]
     with LLM(tiny_model, attention_backend="triton", **kw) as llm:
         runner = llm.engine.core.executor.worker.runner
-        graphs: list[_EagerGraph] = []
-
-        def capture(size, q, body, pool):
-            segs = runner._capture_batch(size, q)
-            graph = _EagerGraph(body, segs, body(segs))
-            graphs.append(graph)
-            return graph, graph.outputs
-
-        runner._capture = capture
+        graphs = _capture_eagerly(runner)
         runner.graph_sizes = [4]  # the sequence slots of a mixed graph: the largest decode bucket
         runner.mixed_graph_sizes = [8, 16]
         runner._capture_mixed_graphs(None)
@@ -181,18 +188,11 @@ def test_gated_decode_steps_through_the_gated_graph_path_match_eager_masking(tin
         with LLM(tiny_model, async_scheduling=async_scheduling, **kw) as llm:
             runner = llm.engine.core.executor.worker.runner
             assert runner.use_gated_graphs and llm.engine.core.gated_sampling
-            graphs: list[_EagerGraph] = []
-
-            def capture(size, q, body, pool):
-                segs = runner._capture_batch(size, q)
-                graph = _EagerGraph(body, segs, body(segs))
-                graphs.append(graph)
-                return graph, graph.outputs
-
-            runner._capture = capture
+            graphs = _capture_eagerly(runner)
             runner.graph_sizes = [4]
             for splits in runner._split_variants(4):
-                runner.graphs[(4, splits)] = capture(4, 1, partial(runner._graph_body, num_kv_splits=splits), None)
+                runner.graphs[(4, splits)] = runner._capture(4, 1, partial(runner._graph_body, num_kv_splits=splits),
+                                                             None)
             decode_graphs = len(graphs)
             runner._capture_gated_graphs(None)
             assert sorted(runner.gated_graphs) == sorted(runner.graphs)
