@@ -94,7 +94,8 @@ def main() -> int:
           f"{SWITCH_INTERVAL_S * 1e3:g} ms interval |")
     print("|---|---|---|---|")
     for name, fn in (("batch fill", fill), ("batch accept", accept)):
-        fresh[:] = [[xgr.GrammarMatcher(compiled)._handle for _ in range(ROWS)] for _ in range(3 * args.calls + args.calls // 2)]
+        needed = 3 * args.calls + args.calls // 2  # (the warm-up's calls and three timed series)
+        fresh[:] = [[xgr.GrammarMatcher(compiled)._handle for _ in range(ROWS)] for _ in range(needed)]
         per_call(fn, args.calls // 2, busy=False)  # warm-up (first-touch allocations), untimed
         alone = per_call(fn, args.calls, busy=False)
         sys.setswitchinterval(default)
