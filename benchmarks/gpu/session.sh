@@ -82,13 +82,14 @@ plan_depth() {
   done
 }
 plan_gatedgraph() {
-  timeout 120 python -m pytest -q -x tests/gpu/test_gpu_engine.py tests/kernels/test_host_flag.py \
-    tests/kernels/test_bitmask_kernel.py -k "gated or masked_sampling or flag or host_bitmask" 2>&1 | tail -6
+  timeout 150 python -m pytest -q -x tests/gpu/test_gpu_engine.py tests/kernels/test_host_flag.py \
+    tests/kernels/test_bitmask_kernel.py -k "gated_decode_graphs or host_bitmask or staged_gate or stream_waits" \
+    2>&1 | tail -6
   local k=0
   for g in 1 0 0 1; do
     k=$((k + 1))
     el "serve $k, TANDEM_GATED_GRAPHS=$g"
-    TANDEM_LOG_LEVEL=INFO TANDEM_GATED_GRAPHS=$g timeout 110 python $SERVE --structured-ratios 0,1 \
+    TANDEM_LOG_LEVEL=INFO TANDEM_GATED_GRAPHS=$g timeout 100 python $SERVE --structured-ratios 0,1 \
       --structured-rounds 1 --out "$OUT/serve_gatedgraph${g}_$k.json" > "$OUT/serve_gatedgraph${g}_$k.log" 2>&1
     grep -E "gated decode|^\| [01] " "$OUT/serve_gatedgraph${g}_$k.log" | tail -4
   done
