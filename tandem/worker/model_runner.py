@@ -104,9 +104,10 @@ class BatchSegments:
     seq_lens: Segment  # int32 [B]
     query_start_loc: Segment  # int32 [B + 1]
     dest: Segment  # int64 [B] flat token-table index of the token each sequence samples
-    # A gated decode graph's (``_gated_graph_body``; written only for such a step):
-    gate: Segment  # int64 [GATE_WORDS] flag address, flag target, bitmask address (host_flag.GATE_*)
-    mask_rows: Segment  # int64 [B] bitmask row of each sequence, -1 for an unconstrained one
+    # A gated decode graph's (``_gated_graph_body``; reserved only with the switch on, written
+    # only for such a step):
+    gate: Optional[Segment] = None  # int64 [GATE_WORDS] flag address, flag target, bitmask address
+    mask_rows: Optional[Segment] = None  # int64 [B] bitmask row of each sequence, -1: unconstrained
 
 
 @dataclass
@@ -302,8 +303,11 @@ class ModelRunner:
         sb = self.staging
         parts = [sb.reserve(num_tokens, _INT64), sb.reserve(num_tokens, _INT64), sb.reserve(num_tokens, _INT64),
                  sb.reserve(num_seqs, _INT32), sb.reserve(num_seqs, _INT32), sb.reserve(num_seqs + 1, _INT32),
-                 sb.reserve(num_seqs, _INT64), sb.reserve(_GATE_WORDS, _INT64), sb.reserve(num_seqs, _INT64)]
-        return BatchSegments(*(p[0] for p in parts)), [p[1] for p in parts]
+                 sb.reserve(num_seqs, _INT64)]
+        segs = BatchSegments(*(p[0] for p in parts))
+        if self.use_gated_graphs:  # (at the same offsets in the capture and in every step of its size)
+            segs.gate, segs.mask_rows = sb.reserve(_GATE_WORDS, _INT64)[0], sb.reserve(num_seqs, _INT64)[0]
+        return segs, [p[1] for p in parts]
 
     def _stage_batch(self, plan: StepPlan, pad_seqs: int, pad_tokens: Optional[int] = None
                      ) -> tuple[BatchSegments, np.ndarray, np.ndarray]:
@@ -319,7 +323,7 @@ class ModelRunner:
         seq_lens = plan.starts + plan.counts
         if pad_tokens is None:
             pad_tokens = T if pad_seqs == B else pad_seqs * (T // B)  # (a graph's batch: T // B tokens each)
-        segs, (gather, positions, slots, rows, sl, qs, dest, _, _) = self._reserve_batch(pad_tokens, pad_seqs)
+        segs, (gather, positions, slots, rows, sl, qs, dest) = self._reserve_batch(pad_tokens, pad_seqs)
         scratch = self.batch.scratch_row * self.batch.width
         if T == B:  # every sequence has one token: no repeat needed
             pos = plan.starts.astype(np.int64)
@@ -568,7 +572,7 @@ class ModelRunner:
         that fails leaves constrained steps' sampling eager."""
         if not self.graphs:
             return
-        self.bitmasks.allocate(-(-self.vocab_size // 32))
+        self.bitmasks.allocate(self._bitmask_words())
         largest = self.graph_sizes[-1]
         logits_of = next(iter(self.graphs.values()))[1][1]
         self._mask_logits = torch.empty((largest, logits_of.shape[1]), dtype=logits_of.dtype, device=self.device)
@@ -604,7 +608,7 @@ class ModelRunner:
         from tandem.kernels.bitmask import apply_host_bitmask_triton
         from tandem.kernels.host_flag import GATE_WORDS, wait_for_staged_flag
 
-        assert GATE_WORDS == _GATE_WORDS
+        assert GATE_WORDS == _GATE_WORDS and segs.gate is not None and segs.mask_rows is not None
         hidden = self._forward(segs, 1, self.max_model_len, None, None, num_kv_splits)
         logits = self.model.compute_logits(hidden)
         sb = self.staging
@@ -651,6 +655,7 @@ class ModelRunner:
         if not pinned:
             return False
         rows = self._bitmask_row_list(grammar, req_ids)
+        assert segs.gate is not None and segs.mask_rows is not None  # (reserved: the switch is on)
         sb = self.staging
         sb.host_view(segs.gate)[:] = (gate.flag.data_ptr(), gate.seq, base)
         mask_rows = sb.host_view(segs.mask_rows)
@@ -684,8 +689,7 @@ class ModelRunner:
         scratch = self.batch.scratch_row
         counts = np.full(size, q, dtype=np.int64) if isinstance(q, int) else q
         sb.begin(0)
-        segs, (gather, positions, slots, rows, sl, qs, dest, gate, mask_rows) = self._reserve_batch(
-            int(counts.sum()), size)
+        segs, (gather, positions, slots, rows, sl, qs, dest) = self._reserve_batch(int(counts.sum()), size)
         gather[:] = scratch * self.batch.width
         positions[:] = 0
         slots[:] = -1
@@ -694,8 +698,9 @@ class ModelRunner:
         qs[0] = 0
         np.cumsum(counts, out=qs[1:])
         dest[:] = scratch * self.batch.width
-        gate[:] = self._open_gate()  # a gated graph's wait passes at once and masks nothing
-        mask_rows[:] = -1
+        if segs.gate is not None and segs.mask_rows is not None:  # a gated graph passes at once, masks nothing
+            sb.host_view(segs.gate)[:] = self._open_gate()
+            sb.host_view(segs.mask_rows)[:] = -1
         sb.upload()
         return segs
 
