@@ -87,6 +87,11 @@ class BitmaskGate:
         self.seq = seq
         self._owner = owner
 
+    @property
+    def pinned(self) -> bool:
+        """The flag and the step's bitmask are in pinned memory (one setting for both)."""
+        return self._owner.pinned
+
     def wait(self) -> None:
         self._owner.wait_filled(self.seq)
 

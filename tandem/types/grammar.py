@@ -46,6 +46,7 @@ class BitmaskGate(Protocol):
 
     flag: Any
     seq: int
+    pinned: bool  # the flag and the bitmask are in pinned memory (the device can read them)
 
     def wait(self) -> None:
         """Block the calling thread until the bitmask is filled (a CPU worker)."""

@@ -227,7 +227,6 @@ class ModelRunner:
         self.gated_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph,
                                                        tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self._gate_open: Optional[torch.Tensor] = None  # a raised flag: see _open_gate
-        self._pinned_bitmasks: dict[int, bool] = {}  # base address -> pinned (_stage_gate)
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.num_kv_heads = 1
         # Shortest key chunk of a split-KV decode: contexts under twice this take one split.
@@ -647,17 +646,12 @@ class ModelRunner:
         bitmask, gate = grammar.bitmask, grammar.gate
         if bitmask.shape[1] != self._bitmask_words() or not bitmask.is_contiguous():
             return False
-        base = bitmask.data_ptr()
-        pinned = self._pinned_bitmasks.get(base)
-        if pinned is None:  # (the fill thread's buffers are few and kept: asked once each)
-            pinned = self._pinned_bitmasks[base] = (self.device.type != "cuda"
-                                                    or bool(bitmask.is_pinned() and gate.flag.is_pinned()))
-        if not pinned:
+        if self.device.type == "cuda" and not gate.pinned:
             return False
         rows = self._bitmask_row_list(grammar, req_ids)
         assert segs.gate is not None and segs.mask_rows is not None  # (reserved: the switch is on)
         sb = self.staging
-        sb.host_view(segs.gate)[:] = (gate.flag.data_ptr(), gate.seq, base)
+        sb.host_view(segs.gate)[:] = (gate.flag.data_ptr(), gate.seq, bitmask.data_ptr())
         mask_rows = sb.host_view(segs.mask_rows)
         mask_rows[:size] = -1
         k = len(grammar.req_ids)
@@ -973,7 +967,7 @@ class ModelRunner:
         the stream (the copies of the bitmask that ``_sample`` queues read it after that), on
         the CPU (or a bitmask not in pinned memory, copied at once) here, on the host."""
         gate = grammar.gate
-        if self.device.type == "cuda" and grammar.bitmask.is_pinned():
+        if self.device.type == "cuda" and gate.pinned:
             from tandem.kernels.host_flag import wait_for_host_flag
 
             wait_for_host_flag(gate.flag, gate.seq)
